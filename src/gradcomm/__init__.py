@@ -1,0 +1,8 @@
+"""gradcomm: data-parallel training on PyTorch with pluggable gradient communication.
+
+The engine is :class:`DistributedDataParallel`: gradients are grouped into buckets during backward and each
+bucket is handed to a communication hook ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``,
+the contract of PyTorch's DDP communication hooks. Hooks live in :mod:`gradcomm.hooks`.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,142 @@
+"""Asynchronous collectives for communication hooks, returning ``torch.futures.Future`` and counting traffic.
+
+Hooks call these instead of ``torch.distributed`` directly so that every byte a gradcomm hook hands to a
+collective is counted in one place (:data:`traffic`), whatever DDP the hook is registered on. They are thin:
+each launches one ``torch.distributed`` collective with ``async_op=True`` and adapts its future.
+
+``group`` is a process group or ``None`` for the default (WORLD) group.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = [
+    "Traffic",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "broadcast",
+    "group_size",
+    "reduce_scatter_tensor",
+    "traffic",
+]
+
+
+@dataclass
+class Traffic:
+    """Bytes handed to collectives and number of collective calls, per collective kind, in this process."""
+
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def record(self, kind: str, *tensors: torch.Tensor) -> None:
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        with self._lock:
+            self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + nbytes
+            self.calls[kind] = self.calls.get(kind, 0) + 1
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_sent.values())
+
+    @property
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
+
+    def reset(self) -> None:
+        with self._lock:
+            self.bytes_sent.clear()
+            self.calls.clear()
+
+
+T = TypeVar("T")
+
+# torch 2.13 renamed these; older releases (the 2.4 floor) only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+traffic = Traffic()
+"""This process's cumulative traffic through :mod:`gradcomm.comm`."""
+
+
+def _future_of(work: dist.Work, result: T) -> torch.futures.Future[T]:
+    """A future that completes with ``result`` when ``work`` does, and fails with its error.
+
+    Some backend/collective pairs (gloo's reduce-scatter) have no future: those are waited for here.
+    """
+    try:
+        future = work.get_future()
+    except RuntimeError:
+        work.wait()
+        completed: torch.futures.Future[T] = torch.futures.Future()
+        completed.set_result(result)
+        return completed
+
+    def done(fut: torch.futures.Future) -> T:
+        fut.value()  # re-raises the collective's error, if any
+        return result
+
+    return future.then(done)
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """World size of ``group`` (the default group when ``None``)."""
+    return dist.get_world_size(group)
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: ProcessGroup | None = None, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> torch.futures.Future[torch.Tensor]:
+    """Reduce ``tensor`` in place across ``group``; the future holds ``tensor``."""
+    traffic.record("all_reduce", tensor)
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    return _future_of(work, tensor)
+
+
+def all_gather(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.futures.Future[list[torch.Tensor]]:
+    """Gather ``tensor`` from every rank; the future holds the list, ordered by rank."""
+    traffic.record("all_gather", tensor)
+    outputs = [torch.empty_like(tensor) for _ in range(group_size(group))]
+    work = dist.all_gather(outputs, tensor, group=group, async_op=True)
+    return _future_of(work, outputs)
+
+
+def all_gather_into_tensor(
+    tensor: torch.Tensor, group: ProcessGroup | None = None
+) -> torch.futures.Future[torch.Tensor]:
+    """Gather ``tensor`` from every rank into one tensor of ``world_size * numel`` elements, rank-major."""
+    traffic.record("all_gather", tensor)
+    output = tensor.new_empty((group_size(group) * tensor.numel(),))
+    work = _all_gather_single(output, tensor.reshape(-1), group=group, async_op=True)
+    return _future_of(work, output)
+
+
+def reduce_scatter_tensor(
+    tensor: torch.Tensor, group: ProcessGroup | None = None, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> torch.futures.Future[torch.Tensor]:
+    """Reduce ``tensor`` (``world_size`` equal chunks) and give each rank its chunk of the result."""
+    world_size = group_size(group)
+    if tensor.numel() % world_size:
+        raise ValueError(
+            f"reduce_scatter_tensor: {tensor.numel()} elements do not split into {world_size} equal chunks; "
+            "pad the tensor to a multiple of the world size"
+        )
+    traffic.record("reduce_scatter", tensor)
+    output = tensor.new_empty((tensor.numel() // world_size,))
+    work = _reduce_scatter_single(output, tensor.reshape(-1), op=op, group=group, async_op=True)
+    return _future_of(work, output)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup | None = None) -> torch.futures.Future[torch.Tensor]:
+    """Broadcast ``tensor`` in place from global rank ``src``; the future holds ``tensor``."""
+    traffic.record("broadcast", tensor)
+    work = dist.broadcast(tensor, src=src, group=group, async_op=True)
+    return _future_of(work, tensor)
