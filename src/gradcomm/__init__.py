@@ -2,7 +2,15 @@
 
 The engine is :class:`DistributedDataParallel`: gradients are grouped into buckets during backward and each
 bucket is handed to a communication hook ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``,
-the contract of PyTorch's DDP communication hooks. Hooks live in :mod:`gradcomm.hooks`.
+the contract of PyTorch's DDP communication hooks. Hooks live in :mod:`gradcomm.hooks`;
+:class:`LegacyDistributedDataParallel` reduces explicitly after backward through the same hooks.
 """
+
+from .distributed import DistributedDataParallel
+from .grad_bucket import GradBucket
+from .hook_contract import CommHookError
+from .legacy import LegacyDistributedDataParallel
+
+__all__ = ["CommHookError", "DistributedDataParallel", "GradBucket", "LegacyDistributedDataParallel"]
 
 __version__ = "0.1.0"

@@ -1,0 +1,76 @@
+"""Assigning parameters to gradient buckets.
+
+Gradients are reduced in buckets of a few MB: large enough that each collective is efficient, small enough
+that the first buckets can be sent while backward is still computing the rest. Parameters are visited in the
+order their gradients are expected to become ready (reverse registration order at first, the observed order
+after the first iteration) and grouped by dtype and device, since a bucket is one flat tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_BYTES", "assign_buckets", "bucket_size_limits"]
+
+DEFAULT_BUCKET_CAP_MB = 25.0
+DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
+"""torch's default for the first bucket: small, so the first collective starts early in backward."""
+
+_MB = 1024 * 1024
+
+
+def bucket_size_limits(bucket_cap_mb: float | None) -> tuple[int, int]:
+    """(first bucket limit, limit of the others) in bytes, as torch's DDP derives them.
+
+    With the default cap the first bucket is limited to 1 MB; with an explicit cap every bucket uses it.
+    """
+    if bucket_cap_mb is None:
+        return DEFAULT_FIRST_BUCKET_BYTES, int(DEFAULT_BUCKET_CAP_MB * _MB)
+    if bucket_cap_mb <= 0:
+        raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+    cap = max(1, int(bucket_cap_mb * _MB))
+    return cap, cap
+
+
+@dataclass
+class _OpenBucket:
+    indices: list[int] = field(default_factory=list)
+    nbytes: int = 0
+    closed_count: int = 0
+
+
+def assign_buckets(
+    tensors: Sequence[torch.Tensor], order: Sequence[int], first_limit: int, limit: int
+) -> list[list[int]]:
+    """Group ``tensors`` (visited in ``order``) into buckets; return each bucket's tensor indices.
+
+    Per (dtype, device), a bucket is closed as soon as its size reaches its limit: ``first_limit`` for the
+    first bucket of that kind, ``limit`` after. A tensor larger than ``limit`` gets a bucket of its own.
+    Buckets are returned in the order of their first tensor in ``order``, so they become ready one after
+    another.
+    """
+    position = {index: pos for pos, index in enumerate(order)}
+    open_buckets: dict[tuple[torch.dtype, torch.device], _OpenBucket] = {}
+    closed: list[list[int]] = []
+
+    def close(bucket: _OpenBucket) -> None:
+        closed.append(bucket.indices)
+        bucket.indices, bucket.nbytes = [], 0
+        bucket.closed_count += 1
+
+    for index in order:
+        tensor = tensors[index]
+        bucket = open_buckets.setdefault((tensor.dtype, tensor.device), _OpenBucket())
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > limit and bucket.indices:
+            close(bucket)
+        bucket.indices.append(index)
+        bucket.nbytes += nbytes
+        if bucket.nbytes >= (first_limit if bucket.closed_count == 0 else limit):
+            close(bucket)
+    closed.extend(bucket.indices for bucket in open_buckets.values() if bucket.indices)
+    closed.sort(key=lambda indices: position[indices[0]])
+    return closed

@@ -1,0 +1,134 @@
+"""The communication-hook contract, checked the same way by every gradcomm DDP.
+
+``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``: the hook is called once per bucket and
+iteration, and its future must complete with a tensor of the bucket buffer's shape and dtype. These
+functions check a hook when it is registered and its future when it completes, and turn every violation
+into one error naming the hook, the bucket and what was expected.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, get_args, get_origin
+
+import torch
+import torch.distributed as dist
+
+from .grad_bucket import GradBucket
+
+__all__ = ["CommHookError", "call_hook", "check_hook", "hook_name", "hook_result"]
+
+CommHook = Callable[[Any, GradBucket], torch.futures.Future]
+
+_BUCKET_TYPES = (GradBucket, dist.GradBucket)
+_BUCKET_TYPE_NAMES = ("GradBucket", "dist.GradBucket", "gradcomm.GradBucket", "torch.distributed.GradBucket")
+_FUTURE_TYPE_NAMES = ("Future", "torch.futures.Future", "Future[torch.Tensor]", "torch.futures.Future[torch.Tensor]")
+
+
+class CommHookError(RuntimeError):
+    """A communication hook raised, or its future failed, on a bucket."""
+
+
+def hook_name(hook: Callable[..., Any]) -> str:
+    """A readable name for ``hook``: its qualified name, seeing through ``functools.partial``."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    return getattr(hook, "__qualname__", None) or type(hook).__qualname__
+
+
+def check_hook(hook: Any) -> None:
+    """Check at registration that ``hook`` can be called as ``hook(state, bucket)`` and is annotated right."""
+    if not callable(hook):
+        raise TypeError(
+            f"Communication hook must be callable as hook(state, bucket) -> torch.futures.Future; "
+            f"got {type(hook).__name__} {hook!r}"
+        )
+    name = hook_name(hook)
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return  # a builtin or C callable: nothing to inspect
+    try:
+        bound = signature.bind(None, None)
+    except TypeError as exc:
+        raise TypeError(
+            f"Communication hook {name}: it must accept two positional arguments (state, bucket), but its "
+            f"signature is {signature} ({exc})"
+        ) from None
+    bucket_parameter = signature.parameters[list(bound.arguments)[-1]]
+    annotation = bucket_parameter.annotation
+    if annotation is not inspect.Parameter.empty and not _is_bucket_type(annotation):
+        raise ValueError(
+            f"Communication hook {name}: the bucket parameter {bucket_parameter.name!r} is annotated "
+            f"{_describe(annotation)}; it should be dist.GradBucket (or gradcomm.GradBucket), or unannotated"
+        )
+    returned = signature.return_annotation
+    if returned is not inspect.Signature.empty and not _is_future_type(returned):
+        raise ValueError(
+            f"Communication hook {name}: the return annotation is {_describe(returned)}; it should be "
+            "torch.futures.Future[torch.Tensor], or none"
+        )
+
+
+def call_hook(hook: CommHook, state: Any, bucket: GradBucket) -> torch.futures.Future:
+    """Run ``hook`` on ``bucket``; its exception or a non-future result becomes a clear error."""
+    try:
+        future = hook(state, bucket)
+    except Exception as exc:
+        raise CommHookError(
+            f"Communication hook {hook_name(hook)} raised on bucket {bucket.index()} "
+            f"({bucket.buffer().numel()} elements): {type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(future, torch._C.Future):
+        raise TypeError(
+            f"Communication hook {hook_name(hook)} returned {type(future).__name__} on bucket "
+            f"{bucket.index()}; it must return a torch.futures.Future whose value is the bucket's tensor"
+        )
+    return future
+
+
+def hook_result(name: str, future: torch.futures.Future, index: int, expected: torch.Tensor) -> torch.Tensor:
+    """Wait for the future of hook ``name`` and check that its value can replace the bucket ``expected``."""
+    try:
+        value = future.wait()
+    except Exception as exc:
+        raise CommHookError(
+            f"Communication hook {name}: the future it returned for bucket {index} failed: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], torch.Tensor):
+        value = value[0]  # torch's collectives' futures hold a one-element list
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"Communication hook {name}: the future for bucket {index} holds {type(value).__name__}; "
+            f"expected a tensor of shape {tuple(expected.shape)} and dtype {expected.dtype}"
+        )
+    if value.shape != expected.shape or value.dtype != expected.dtype:
+        raise ValueError(
+            f"Communication hook {name}: the future for bucket {index} holds a tensor of shape "
+            f"{tuple(value.shape)} and dtype {value.dtype}; expected shape {tuple(expected.shape)} and dtype "
+            f"{expected.dtype} (the bucket's buffer)"
+        )
+    return value
+
+
+def _is_bucket_type(annotation: Any) -> bool:
+    if isinstance(annotation, str):
+        return annotation in _BUCKET_TYPE_NAMES
+    return annotation in _BUCKET_TYPES
+
+
+def _is_future_type(annotation: Any) -> bool:
+    if isinstance(annotation, str):
+        return annotation in _FUTURE_TYPE_NAMES
+    origin = get_origin(annotation) or annotation
+    if not (isinstance(origin, type) and issubclass(origin, torch._C.Future)):
+        return False
+    args = get_args(annotation)
+    return not args or args == (torch.Tensor,)
+
+
+def _describe(annotation: Any) -> str:
+    return annotation if isinstance(annotation, str) else getattr(annotation, "__qualname__", repr(annotation))

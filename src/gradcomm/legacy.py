@@ -1,0 +1,145 @@
+"""The legacy DistributedDataParallel (after fairseq's): no overlap, an explicit ``all_reduce()`` after backward.
+
+Simpler and more predictable than the overlapping DDP, which makes it useful for debugging and for code
+that wants to decide itself when gradients are synchronised. After backward, ``all_reduce()`` packs the
+gradients into a flat buffer of at most ``buffer_size`` elements at a time and reduces each buffer in turn.
+``no_sync()`` turns ``all_reduce()`` into a no-op for gradient accumulation.
+
+Beyond fairseq's, it accepts ``register_comm_hook(state, hook)``: each buffer is then handed to the hook as
+a :class:`~gradcomm.GradBucket`, exactly as the overlapping DDP hands its buckets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from . import comm
+from .grad_bucket import GradBucket
+from .hook_contract import CommHook, call_hook, check_hook, hook_name, hook_result
+
+__all__ = ["LegacyDistributedDataParallel"]
+
+
+class LegacyDistributedDataParallel(nn.Module):
+    """Data parallelism with explicit gradient reduction: call :meth:`all_reduce` after ``backward()``.
+
+    Args:
+        module: the model; the same on every rank (parameters are not broadcast: seed every rank alike).
+        world_size: number of ranks the gradients are averaged over.
+        process_group: the group to reduce over; ``None`` for the default group.
+        buffer_size: elements per reduction buffer (a parameter larger than that is reduced alone).
+    """
+
+    def __init__(
+        self, module: nn.Module, world_size: int, process_group: ProcessGroup | None = None, buffer_size: int = 2**28
+    ) -> None:
+        super().__init__()
+        if world_size < 1:
+            raise ValueError(f"LegacyDistributedDataParallel: world_size must be at least 1, got {world_size}")
+        if buffer_size < 1:
+            raise ValueError(f"LegacyDistributedDataParallel: buffer_size must be at least 1, got {buffer_size}")
+        self.module = module
+        self.world_size = world_size
+        self.process_group = process_group
+        self.buffer_size = min(buffer_size, sum(p.numel() for p in module.parameters()))
+        self.accumulate_grads = False
+        self._hook: CommHook | None = None
+        self._hook_state: Any = None
+        self._reductions = 0
+        self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Make :meth:`all_reduce` a no-op inside, so gradients accumulate locally."""
+        previous = self.accumulate_grads
+        self.accumulate_grads = True
+        try:
+            yield
+        finally:
+            self.accumulate_grads = previous
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.module(*inputs, **kwargs)
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Reduce each buffer with ``hook(state, bucket)`` instead of the averaging allreduce (once, before use)."""
+        check_hook(hook)
+        if self._hook is not None:
+            raise RuntimeError(
+                f"register_comm_hook can only be called once: hook {hook_name(self._hook)} is already "
+                f"registered, so {hook_name(hook)} cannot be"
+            )
+        if self._reductions:
+            raise RuntimeError(
+                f"register_comm_hook({hook_name(hook)}) must be called before the first all_reduce(); "
+                f"{self._reductions} already ran"
+            )
+        self._hook, self._hook_state = hook, state
+
+    def all_reduce(self) -> None:
+        """Average the gradients over the ranks; call after ``backward()`` (a no-op inside ``no_sync()``)."""
+        if self.accumulate_grads:
+            return
+        chunks = self._chunks()
+        for index, params in enumerate(chunks):
+            self._reduce(index, params, is_last=index == len(chunks) - 1)
+        self._reductions += 1
+
+    def _chunks(self) -> list[list[nn.Parameter]]:
+        """Trainable parameters in registration order, split by dtype and device into buffer-sized runs."""
+        open_runs: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+        chunks: list[list[nn.Parameter]] = []
+        for param in self.module.parameters():
+            if not param.requires_grad:
+                continue
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            if param.grad.requires_grad:
+                raise RuntimeError(
+                    "LegacyDistributedDataParallel only works with gradients that don't require grad "
+                    "(was backward called with create_graph=True?)"
+                )
+            key = (param.dtype, param.device)
+            if param.numel() > self.buffer_size:
+                chunks.append([param])
+                continue
+            if sizes.get(key, 0) + param.numel() > self.buffer_size:
+                chunks.append(open_runs.pop(key))
+                sizes[key] = 0
+            open_runs.setdefault(key, []).append(param)
+            sizes[key] = sizes.get(key, 0) + param.numel()
+        chunks.extend(open_runs.values())
+        return chunks
+
+    def _buffer_for(self, params: list[nn.Parameter]) -> torch.Tensor:
+        numel = sum(p.numel() for p in params)
+        key = (params[0].dtype, params[0].device)
+        if numel > self.buffer_size:
+            return torch.empty(numel, dtype=key[0], device=key[1])
+        if key not in self._buffers:
+            self._buffers[key] = torch.empty(self.buffer_size, dtype=key[0], device=key[1])
+        return self._buffers[key][:numel]
+
+    def _reduce(self, index: int, params: list[nn.Parameter], is_last: bool) -> None:
+        lengths = [p.numel() for p in params]
+        offsets = [sum(lengths[:k]) for k in range(len(params))]
+        buffer = self._buffer_for(params)
+        for param, offset, length in zip(params, offsets, lengths, strict=True):
+            buffer[offset : offset + length].copy_(param.grad.reshape(-1))
+        if self._hook is None:
+            name = "default allreduce (no hook registered)"
+            future = comm.all_reduce(buffer.div_(self.world_size), self.process_group)
+        else:
+            name = hook_name(self._hook)
+            bucket = GradBucket(index, buffer, offsets, lengths, [p.shape for p in params], params, is_last)
+            future = call_hook(self._hook, self._hook_state, bucket)
+        result = hook_result(name, future, index, buffer)
+        for param, offset, length in zip(params, offsets, lengths, strict=True):
+            param.grad.copy_(result[offset : offset + length].view_as(param))

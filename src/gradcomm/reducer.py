@@ -1,0 +1,340 @@
+"""The reducer: gradient buckets, readiness tracking, and launching communication hooks during backward.
+
+Mechanism only; what a bucket's communication does is the hook's business. Per synchronised iteration:
+
+1. ``prepare_for_backward`` (called by DDP's forward) arms the reducer and, with
+   ``find_unused_parameters``, finds the parameters the output does not depend on.
+2. During backward each parameter's post-accumulate-grad hook copies its gradient into its bucket. When a
+   bucket is complete, it and every complete bucket after it in order are launched: the communication hook
+   (or the default averaging allreduce) starts while backward goes on computing other gradients. Buckets
+   are launched strictly in index order so that all ranks issue collectives in the same order.
+3. An autograd-engine callback, run when backward finishes, waits for every bucket's future and writes the
+   results into the parameters' ``.grad`` (or makes ``.grad`` a view into the bucket).
+
+After the first synchronised iteration the buckets are rebuilt once, in the order gradients actually became
+ready (rank 0's order, broadcast so all ranks agree), as torch's DDP does.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from . import comm
+from .bucketing import assign_buckets, bucket_size_limits
+from .grad_bucket import GradBucket
+from .hook_contract import CommHook, call_hook, check_hook, hook_name, hook_result
+
+__all__ = ["Reducer"]
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_HOOK_NAME = "default allreduce (no hook registered)"
+
+
+class _Bucket:
+    """A flat gradient buffer for some parameters, with one view per parameter."""
+
+    def __init__(self, index: int, param_indices: list[int], params: Sequence[torch.nn.Parameter], is_last: bool):
+        members = [params[i] for i in param_indices]
+        self.index = index
+        self.param_indices = param_indices
+        self.params = members
+        self.is_last = is_last
+        self.lengths = [p.numel() for p in members]
+        self.offsets = [sum(self.lengths[:k]) for k in range(len(members))]
+        self.shapes = [p.shape for p in members]
+        self.buffer = torch.zeros(sum(self.lengths), dtype=members[0].dtype, device=members[0].device)
+        self.views = [
+            self.buffer[offset : offset + length].view(shape)
+            for offset, length, shape in zip(self.offsets, self.lengths, self.shapes, strict=True)
+        ]
+
+    def grad_bucket(self) -> GradBucket:
+        """A fresh hook-facing view of this bucket (``set_buffer`` on it must not outlive the iteration)."""
+        return GradBucket(self.index, self.buffer, self.offsets, self.lengths, self.shapes, self.params, self.is_last)
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors_in(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors_in(item)]
+    return []
+
+
+def _parameters_reached(outputs: Any) -> set[int]:
+    """ids of the leaf tensors that ``outputs`` depend on through the autograd graph."""
+    reached: set[int] = set()
+    stack = []
+    for tensor in _tensors_in(outputs):
+        if tensor.grad_fn is not None:
+            stack.append(tensor.grad_fn)
+        elif tensor.requires_grad:
+            reached.add(id(tensor))
+    seen = set(stack)
+    while stack:
+        node = stack.pop()
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            reached.add(id(variable))
+        for next_node, _ in node.next_functions:
+            if next_node is not None and next_node not in seen:
+                seen.add(next_node)
+                stack.append(next_node)
+    return reached
+
+
+class Reducer:
+    """Buckets the gradients of ``params`` and reduces them with a communication hook during backward."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str],
+        process_group: ProcessGroup | None,
+        bucket_cap_mb: float | None,
+        find_unused_parameters: bool,
+        gradient_as_bucket_view: bool,
+    ) -> None:
+        self._params = list(params)
+        self._names = list(names)
+        self._group = process_group
+        self._world_size = dist.get_world_size(process_group)
+        self._first_limit, self._limit = bucket_size_limits(bucket_cap_mb)
+        self._find_unused = find_unused_parameters
+        self._as_view = gradient_as_bucket_view
+        self._hook: CommHook | None = None
+        self._hook_state: Any = None
+        self._hook_name = _DEFAULT_HOOK_NAME
+        self._synced_backwards = 0
+        # torch does not rebuild with find_unused_parameters: the ready order then varies between iterations.
+        self._rebuild_done = find_unused_parameters
+        self._ready_order: list[int] = []
+        self._rebuild_order: list[int] | None = None
+        self._unfinished: list[str] = []
+        self._armed = False
+        self._build_buckets(list(reversed(range(len(self._params)))))
+        self._reset_iteration()
+        self_ref = weakref.ref(self)
+        self._grad_hook_handles = [
+            param.register_post_accumulate_grad_hook(_GradReadyHook(self_ref, index))
+            for index, param in enumerate(self._params)
+        ]
+
+    # -- public API ----------------------------------------------------------------------------------------
+    @property
+    def bucket_count(self) -> int:
+        return len(self._buckets)
+
+    def bucket_parameter_names(self) -> list[list[str]]:
+        """The parameter names in each bucket, in bucket order."""
+        return [[self._names[i] for i in bucket.param_indices] for bucket in self._buckets]
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        check_hook(hook)
+        if self._hook is not None:
+            raise RuntimeError(
+                f"register_comm_hook can only be called once: hook {self._hook_name} is already registered, "
+                f"so {hook_name(hook)} cannot be. Combine them into one hook, or build a new DDP."
+            )
+        if self._synced_backwards or self._armed and self._callback_queued:
+            raise RuntimeError(
+                f"register_comm_hook({hook_name(hook)}) must be called before the first backward; "
+                f"{self._synced_backwards} synchronised backward pass(es) already ran with {self._hook_name}"
+            )
+        self._hook, self._hook_state, self._hook_name = hook, state, hook_name(hook)
+
+    def prepare_for_forward(self) -> None:
+        """Called before a forward whose backward will synchronise: report trouble, rebuild buckets."""
+        if self._unfinished:
+            names, self._unfinished = self._unfinished, []
+            shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+            raise RuntimeError(
+                "gradcomm.DistributedDataParallel: the previous backward produced no gradient for "
+                f"{len(names)} parameter(s) that take part in reduction: {shown}. Their buckets could not be "
+                "reduced, so that iteration's gradients were not synchronised. If these parameters are unused "
+                "in forward on purpose, pass find_unused_parameters=True; if they are not trained, set "
+                "requires_grad=False on them before wrapping the model."
+            )
+        if self._rebuild_order is not None:
+            self._rebuild_buckets(self._rebuild_order)
+            self._rebuild_order = None
+
+    def prepare_for_backward(self, outputs: Any) -> None:
+        """Arm the reducer for the backward of ``outputs``."""
+        self._reset_iteration()
+        self._armed = True
+        if self._find_unused:
+            reached = _parameters_reached(outputs)
+            self._unused = [i for i, p in enumerate(self._params) if id(p) not in reached]
+
+    def disarm(self) -> None:
+        """Forget a prepared backward (the next backward accumulates locally)."""
+        self._armed = False
+
+    # -- bucket layout -------------------------------------------------------------------------------------
+    def _build_buckets(self, order: list[int]) -> None:
+        groups = assign_buckets(self._params, order, self._first_limit, self._limit)
+        self._buckets = [
+            _Bucket(index, indices, self._params, index == len(groups) - 1) for index, indices in enumerate(groups)
+        ]
+        self._location: list[tuple[_Bucket, torch.Tensor]] = [None] * len(self._params)  # type: ignore[list-item]
+        for bucket in self._buckets:
+            for index, view in zip(bucket.param_indices, bucket.views, strict=True):
+                self._location[index] = (bucket, view)
+
+    def _rebuild_buckets(self, ready_order: list[int]) -> None:
+        order = torch.tensor(ready_order, dtype=torch.int64)
+        dist.broadcast(order, src=dist.get_global_rank(self._group or dist.group.WORLD, 0), group=self._group)
+        old_grads = [p.grad for p in self._params] if self._as_view else []
+        self._build_buckets(order.tolist())
+        for index, grad in enumerate(old_grads):
+            if grad is not None:
+                view = self._location[index][1]
+                view.copy_(grad)
+                self._params[index].grad = view
+        self._reset_iteration()
+        logger.debug("rebuilt %d buckets in gradient-ready order", len(self._buckets))
+
+    # -- per-iteration mechanics ----------------------------------------------------------------------------
+    def _reset_iteration(self) -> None:
+        self._ready = bytearray(len(self._params))
+        self._pending = [len(bucket.param_indices) for bucket in self._buckets]
+        self._futures: list[torch.futures.Future | None] = [None] * len(self._buckets)
+        self._next_bucket = 0
+        self._callback_queued = False
+        self._unused: list[int] = []
+        self._locally_used = torch.zeros(len(self._params), dtype=torch.int32) if self._find_unused else None
+        self._used_future: torch.futures.Future | None = None
+
+    def _on_grad_ready(self, index: int) -> None:
+        if not self._armed:
+            return
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+            for unused in self._unused:
+                self._mark_ready(unused)
+        if self._locally_used is not None:
+            self._locally_used[index] = 1
+        self._mark_ready(index)
+
+    def _mark_ready(self, index: int) -> None:
+        if self._ready[index]:
+            raise RuntimeError(
+                f"gradcomm.DistributedDataParallel: parameter {self._names[index]} received its gradient twice "
+                "in one backward (is it used in two backward passes, or by reentrant checkpointing?)"
+            )
+        self._ready[index] = 1
+        if not self._rebuild_done:
+            self._ready_order.append(index)
+        bucket, view = self._location[index]
+        param = self._params[index]
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        elif self._hook is not None:
+            if not _same_tensor(grad, view):
+                view.copy_(grad)
+        else:
+            torch.mul(grad, 1.0 / self._world_size, out=view)  # as torch: pre-divide, then sum
+        if self._as_view and grad is not None and not _same_tensor(grad, view):
+            param.grad = view
+        self._pending[bucket.index] -= 1
+        if self._pending[bucket.index] == 0:
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        while self._next_bucket < len(self._buckets) and self._pending[self._next_bucket] == 0:
+            bucket = self._buckets[self._next_bucket]
+            if self._hook is None:
+                self._futures[bucket.index] = comm.all_reduce(bucket.buffer, self._group)
+            else:
+                self._futures[bucket.index] = call_hook(self._hook, self._hook_state, bucket.grad_bucket())
+            self._next_bucket += 1
+        if self._next_bucket == len(self._buckets) and self._locally_used is not None:
+            work = dist.all_reduce(self._locally_used, group=self._group, async_op=True)
+            self._used_future = work.get_future()
+
+    def _finalize(self) -> None:
+        """Autograd-engine callback at the end of backward: wait for the buckets and write ``.grad``."""
+        self._armed = False
+        try:
+            if self._next_bucket < len(self._buckets):
+                self._unfinished = [self._names[i] for i in range(len(self._params)) if not self._ready[i]]
+                return
+            globally_used = None
+            if self._used_future is not None:
+                self._used_future.wait()
+                globally_used = self._locally_used.tolist()
+            for bucket, future in zip(self._buckets, self._futures, strict=True):
+                result = hook_result(self._hook_name, future, bucket.index, bucket.buffer)
+                if not _same_tensor(result, bucket.buffer):
+                    bucket.buffer.copy_(result)
+                self._write_gradients(bucket, globally_used)
+            self._synced_backwards += 1
+            if not self._rebuild_done:
+                self._rebuild_done = True
+                self._rebuild_order = self._ready_order
+        finally:
+            self._drain_futures()
+            self._futures = [None] * len(self._buckets)
+
+    def _write_gradients(self, bucket: _Bucket, globally_used: list[int] | None) -> None:
+        for index, param, view in zip(bucket.param_indices, bucket.params, bucket.views, strict=True):
+            if globally_used is not None and not globally_used[index]:
+                continue  # unused on every rank: .grad is left as it was, as torch does
+            if self._as_view:
+                if param.grad is None or not _same_tensor(param.grad, view):
+                    param.grad = view
+            elif param.grad is None:
+                param.grad = view.clone()
+            else:
+                param.grad.copy_(view)
+
+    def _drain_futures(self) -> None:
+        """Wait for every launched future so no collective outlives the iteration (errors already raised)."""
+        for future in self._futures:
+            if future is not None and not future.done():
+                try:
+                    future.wait()
+                except Exception:
+                    pass
+        if self._used_future is not None and not self._used_future.done():
+            try:
+                self._used_future.wait()
+            except Exception:
+                pass
+
+    def remove_hooks(self) -> None:
+        for handle in self._grad_hook_handles:
+            handle.remove()
+        self._grad_hook_handles = []
+
+
+class _GradReadyHook:
+    """Post-accumulate-grad hook on one parameter; holds the reducer weakly so the DDP can be collected."""
+
+    __slots__ = ("index", "reducer")
+
+    def __init__(self, reducer: weakref.ref[Reducer], index: int) -> None:
+        self.reducer = reducer
+        self.index = index
+
+    def __call__(self, _param: torch.Tensor) -> None:
+        reducer = self.reducer()
+        if reducer is not None:
+            reducer._on_grad_ready(self.index)
