@@ -1,0 +1,95 @@
+"""Step time of gradcomm's DistributedDataParallel against torch's, side by side in one run.
+
+Two gloo ranks on this machine, one thread each, the same ~6M-parameter MLP wrapped by both DDPs. Steps
+alternate between the two (the order flips every repetition, so neither always runs second), and the report
+is the median step-time ratio gradcomm/torch over several repetitions, plus the medians themselves.
+
+    python benchmarks/bench_ddp.py [--reps 5 --steps 20 --world-size 2 --bucket-cap-mb 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradcomm
+from gradcomm.testing import run_on_ranks
+
+
+def _model(width: int, depth: int) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def _timed_step(ddp: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    start = time.perf_counter()
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    optimizer.step()
+    return time.perf_counter() - start
+
+
+def measure(reps: int, steps: int, width: int, depth: int, bucket_cap_mb: float | None) -> dict[str, object]:
+    module = _model(width, depth)
+    kinds = {
+        "torch": nn.parallel.DistributedDataParallel(copy.deepcopy(module), bucket_cap_mb=bucket_cap_mb),
+        "gradcomm": gradcomm.DistributedDataParallel(copy.deepcopy(module), bucket_cap_mb=bucket_cap_mb),
+    }
+    optimizers = {name: torch.optim.SGD(ddp.parameters(), lr=1e-3) for name, ddp in kinds.items()}
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x, y = torch.randn(32, width, generator=g), torch.randint(0, 10, (32,), generator=g)
+    for name in kinds:  # warm-up, including the bucket rebuild after the first iteration
+        for _ in range(3):
+            _timed_step(kinds[name], optimizers[name], x, y)
+    medians: dict[str, list[float]] = {name: [] for name in kinds}
+    for rep in range(reps):
+        times: dict[str, list[float]] = {name: [] for name in kinds}
+        order = list(kinds) if rep % 2 == 0 else list(reversed(kinds))
+        for _ in range(steps):
+            for name in order:
+                times[name].append(_timed_step(kinds[name], optimizers[name], x, y))
+        for name in kinds:
+            medians[name].append(statistics.median(times[name]))
+    ratios = [ours / theirs for ours, theirs in zip(medians["gradcomm"], medians["torch"], strict=True)]
+    params = sum(p.numel() for p in module.parameters())
+    return {"params": params, "medians": medians, "ratios": ratios}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--width", type=int, default=1000)
+    parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--bucket-cap-mb", type=float, default=None)
+    args = parser.parse_args(argv)
+    result = run_on_ranks(
+        measure,
+        args.world_size,
+        args=(args.reps, args.steps, args.width, args.depth, args.bucket_cap_mb),
+        timeout=1800,
+    )[0]
+    medians, ratios = result["medians"], result["ratios"]
+    print(f"command: python benchmarks/bench_ddp.py {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip())
+    print(f"model: {result['params'] / 1e6:.2f}M parameters, {args.world_size} gloo ranks, 1 thread each")
+    print("| rep | torch median step (ms) | gradcomm median step (ms) | ratio gradcomm/torch |")
+    print("|---|---|---|---|")
+    for rep, (t, g, r) in enumerate(zip(medians["torch"], medians["gradcomm"], ratios, strict=True)):
+        print(f"| {rep} | {1e3 * t:.1f} | {1e3 * g:.1f} | {r:.3f} |")
+    print(f"median ratio gradcomm/torch over {len(ratios)} repetitions: {statistics.median(ratios):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
