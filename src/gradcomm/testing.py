@@ -65,13 +65,19 @@ def _rank_main(
     backend: str,
     collective_timeout: float,
     results: mp.Queue,
+    namespace: str | None,
+    master_addr: str,
 ) -> None:
+    if namespace is not None:
+        from .network import enter_namespace
+
+        enter_namespace(namespace)  # before torch starts any thread: threads inherit the namespace
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.update(
-        MASTER_ADDR="127.0.0.1",
+        MASTER_ADDR=master_addr,
         MASTER_PORT=str(port),
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -105,6 +111,8 @@ def run_on_ranks(
     backend: str = "gloo",
     timeout: float = 120.0,
     collective_timeout: float = 30.0,
+    namespaces: Sequence[str] | None = None,
+    master_addr: str = "127.0.0.1",
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` ranks joined in one process group; return their results.
 
@@ -116,6 +124,9 @@ def run_on_ranks(
         backend: ``"gloo"`` (CPU) or ``"nccl"``.
         timeout: hard limit in seconds for the whole run, process start-up included.
         collective_timeout: the process group's timeout: a collective that waits longer fails on its rank.
+        namespaces: one network namespace per rank to run it in (see :class:`gradcomm.network.ShapedNetwork`);
+            ``master_addr`` is then rank 0's address there.
+        master_addr: address of rank 0's rendezvous store.
 
     Raises:
         RankError: a rank raised (its traceback is in the message), died, or the run passed ``timeout``.
@@ -123,13 +134,26 @@ def run_on_ranks(
     """
     if world_size < 1:
         raise ValueError(f"run_on_ranks: world_size must be at least 1, got {world_size}")
+    if namespaces is not None and len(namespaces) != world_size:
+        raise ValueError(f"run_on_ranks: {len(namespaces)} namespaces given for {world_size} ranks")
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, tuple(args), rank, world_size, port, backend, collective_timeout, results),
+            args=(
+                fn,
+                tuple(args),
+                rank,
+                world_size,
+                port,
+                backend,
+                collective_timeout,
+                results,
+                None if namespaces is None else namespaces[rank],
+                master_addr,
+            ),
             name=f"gradcomm-rank{rank}",
             daemon=True,
         )
