@@ -19,6 +19,7 @@ from torch.distributed import ProcessGroup
 
 from .hook_contract import CommHook
 from .reducer import Reducer
+from .telemetry import CommStats
 
 __all__ = ["DistributedDataParallel"]
 
@@ -178,3 +179,11 @@ class DistributedDataParallel(nn.Module):
         must complete with a tensor of the bucket buffer's shape and dtype, which becomes the gradients.
         """
         self.reducer.register_comm_hook(state, hook)
+
+    def comm_stats(self) -> CommStats:
+        """Per-step and cumulative communication statistics on this rank (see :mod:`gradcomm.telemetry`).
+
+        Resettable (``.reset()``); set ``.measure_error = True`` for the compression error, ``.log_every`` to
+        log through :mod:`logging`, ``.jsonl_path`` to append every step as a JSON line.
+        """
+        return self.reducer.stats

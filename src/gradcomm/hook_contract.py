@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 from .grad_bucket import GradBucket
 
-__all__ = ["CommHookError", "call_hook", "check_hook", "hook_name", "hook_result"]
+__all__ = ["DEFAULT_HOOK_NAME", "CommHookError", "call_hook", "check_hook", "hook_name", "hook_result"]
+
+DEFAULT_HOOK_NAME = "default allreduce (no hook registered)"
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 

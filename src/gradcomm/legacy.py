@@ -21,7 +21,8 @@ from torch.distributed import ProcessGroup
 
 from . import comm
 from .grad_bucket import GradBucket
-from .hook_contract import CommHook, call_hook, check_hook, hook_name, hook_result
+from .hook_contract import DEFAULT_HOOK_NAME, CommHook, call_hook, check_hook, hook_name, hook_result
+from .telemetry import CommStats
 
 __all__ = ["LegacyDistributedDataParallel"]
 
@@ -52,6 +53,7 @@ class LegacyDistributedDataParallel(nn.Module):
         self._hook: CommHook | None = None
         self._hook_state: Any = None
         self._reductions = 0
+        self._stats = CommStats(hook_name=DEFAULT_HOOK_NAME)
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     @contextmanager
@@ -81,14 +83,21 @@ class LegacyDistributedDataParallel(nn.Module):
                 f"{self._reductions} already ran"
             )
         self._hook, self._hook_state = hook, state
+        self._stats.hook_name = hook_name(hook)
+
+    def comm_stats(self) -> CommStats:
+        """This DDP's communication statistics on this rank (see :mod:`gradcomm.telemetry`)."""
+        return self._stats
 
     def all_reduce(self) -> None:
         """Average the gradients over the ranks; call after ``backward()`` (a no-op inside ``no_sync()``)."""
         if self.accumulate_grads:
             return
         chunks = self._chunks()
+        self._stats.begin_step()
         for index, params in enumerate(chunks):
             self._reduce(index, params, is_last=index == len(chunks) - 1)
+        self._stats.end_step()
         self._reductions += 1
 
     def _chunks(self) -> list[list[nn.Parameter]]:
@@ -134,12 +143,16 @@ class LegacyDistributedDataParallel(nn.Module):
         for param, offset, length in zip(params, offsets, lengths, strict=True):
             buffer[offset : offset + length].copy_(param.grad.reshape(-1))
         if self._hook is None:
-            name = "default allreduce (no hook registered)"
-            future = comm.all_reduce(buffer.div_(self.world_size), self.process_group)
-        else:
-            name = hook_name(self._hook)
-            bucket = GradBucket(index, buffer, offsets, lengths, [p.shape for p in params], params, is_last)
-            future = call_hook(self._hook, self._hook_state, bucket)
-        result = hook_result(name, future, index, buffer)
+            buffer.div_(self.world_size)
+        self._stats.add_bucket(buffer.numel() * buffer.element_size())
+        self._stats.remember_input(index, buffer, averaged=self._hook is None)
+        with self._stats.timing_hook():
+            if self._hook is None:
+                future = comm.all_reduce(buffer, self.process_group)
+            else:
+                bucket = GradBucket(index, buffer, offsets, lengths, [p.shape for p in params], params, is_last)
+                future = call_hook(self._hook, self._hook_state, bucket)
+        result = hook_result(self._stats.hook_name, future, index, buffer)
+        self._stats.compare_result(index, result, self.process_group)
         for param, offset, length in zip(params, offsets, lengths, strict=True):
             param.grad.copy_(result[offset : offset + length].view_as(param))

@@ -29,13 +29,12 @@ from torch.distributed import ProcessGroup
 from . import comm
 from .bucketing import assign_buckets, bucket_size_limits
 from .grad_bucket import GradBucket
-from .hook_contract import CommHook, call_hook, check_hook, hook_name, hook_result
+from .hook_contract import DEFAULT_HOOK_NAME, CommHook, call_hook, check_hook, hook_name, hook_result
+from .telemetry import CommStats
 
 __all__ = ["Reducer"]
 
 logger = logging.getLogger(__name__)
-
-_DEFAULT_HOOK_NAME = "default allreduce (no hook registered)"
 
 
 class _Bucket:
@@ -118,7 +117,8 @@ class Reducer:
         self._as_view = gradient_as_bucket_view
         self._hook: CommHook | None = None
         self._hook_state: Any = None
-        self._hook_name = _DEFAULT_HOOK_NAME
+        self._hook_name = DEFAULT_HOOK_NAME
+        self.stats = CommStats(hook_name=DEFAULT_HOOK_NAME)
         self._synced_backwards = 0
         # torch does not rebuild with find_unused_parameters: the ready order then varies between iterations.
         self._rebuild_done = find_unused_parameters
@@ -156,6 +156,7 @@ class Reducer:
                 f"{self._synced_backwards} synchronised backward pass(es) already ran with {self._hook_name}"
             )
         self._hook, self._hook_state, self._hook_name = hook, state, hook_name(hook)
+        self.stats.hook_name = self._hook_name
 
     def prepare_for_forward(self) -> None:
         """Called before a forward whose backward will synchronise: report trouble, rebuild buckets."""
@@ -260,10 +261,15 @@ class Reducer:
     def _launch_ready_buckets(self) -> None:
         while self._next_bucket < len(self._buckets) and self._pending[self._next_bucket] == 0:
             bucket = self._buckets[self._next_bucket]
-            if self._hook is None:
-                self._futures[bucket.index] = comm.all_reduce(bucket.buffer, self._group)
-            else:
-                self._futures[bucket.index] = call_hook(self._hook, self._hook_state, bucket.grad_bucket())
+            if bucket.index == 0:
+                self.stats.begin_step()
+            self.stats.add_bucket(bucket.buffer.numel() * bucket.buffer.element_size())
+            self.stats.remember_input(bucket.index, bucket.buffer, averaged=self._hook is None)
+            with self.stats.timing_hook():
+                if self._hook is None:
+                    self._futures[bucket.index] = comm.all_reduce(bucket.buffer, self._group)
+                else:
+                    self._futures[bucket.index] = call_hook(self._hook, self._hook_state, bucket.grad_bucket())
             self._next_bucket += 1
         if self._next_bucket == len(self._buckets) and self._locally_used is not None:
             work = dist.all_reduce(self._locally_used, group=self._group, async_op=True)
@@ -282,9 +288,11 @@ class Reducer:
                 globally_used = self._locally_used.tolist()
             for bucket, future in zip(self._buckets, self._futures, strict=True):
                 result = hook_result(self._hook_name, future, bucket.index, bucket.buffer)
+                self.stats.compare_result(bucket.index, result, self._group)
                 if not _same_tensor(result, bucket.buffer):
                     bucket.buffer.copy_(result)
                 self._write_gradients(bucket, globally_used)
+            self.stats.end_step()
             self._synced_backwards += 1
             if not self._rebuild_done:
                 self._rebuild_done = True

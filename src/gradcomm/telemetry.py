@@ -1,0 +1,160 @@
+"""Communication telemetry: what each synchronised step cost, for any hook.
+
+A DDP keeps one :class:`CommStats` (``ddp.comm_stats()``). Per step, on this rank, it records:
+
+* ``bytes_sent`` and ``collective_calls``: counted by :mod:`gradcomm.comm` from the tensors actually handed
+  to collectives (hooks that bypass ``gradcomm.comm``, such as torch's own, are not seen: 0 bytes);
+* ``dense_bytes``: the size of the gradient buckets, i.e. what a plain allreduce would hand over, and
+  ``compression_ratio = dense_bytes / bytes_sent``;
+* ``hook_seconds``: time spent inside the hook calls themselves (encoding, and launching collectives, which
+  return at once), i.e. outside the collectives;
+* ``compression_error`` when ``measure_error`` is on: ``‖result − exact‖ / ‖exact‖`` over all buckets, where
+  ``exact`` is the true average obtained by a second, uncounted allreduce of the original gradients. It costs a
+  gradient-sized copy and a full allreduce per step, so it is off by default.
+
+Steps can be logged through :mod:`logging` (``log_every``) and appended to a JSON-lines file (``jsonl_path``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from . import comm
+
+__all__ = ["CommStats", "StepStats"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    """The cost of one synchronised step (or the sum over many, in :attr:`CommStats.total`)."""
+
+    steps: int = 0
+    bytes_sent: int = 0
+    collective_calls: int = 0
+    dense_bytes: int = 0
+    hook_seconds: float = 0.0
+    compression_error: float | None = None
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.dense_bytes / self.bytes_sent if self.bytes_sent else math.inf
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return {**asdict(self), "compression_ratio": self.compression_ratio}
+
+
+@dataclass
+class CommStats:
+    """Per-step and cumulative communication statistics of one DDP on this rank."""
+
+    hook_name: str = ""
+    measure_error: bool = False
+    log_every: int = 0
+    jsonl_path: str | Path | None = None
+    last: StepStats = field(default_factory=StepStats)
+    total: StepStats = field(default_factory=StepStats)
+    _current: StepStats | None = field(default=None, repr=False)
+    _traffic_at_start: tuple[int, int] = field(default=(0, 0), repr=False)
+    _error_sums: list[float] = field(default_factory=lambda: [0.0, 0.0], repr=False)
+    _error_steps: int = field(default=0, repr=False)
+    _inputs: dict[int, tuple[torch.Tensor, bool]] = field(default_factory=dict, repr=False)
+
+    def reset(self) -> None:
+        """Forget all recorded steps."""
+        self.last, self.total, self._current, self._error_steps = StepStats(), StepStats(), None, 0
+
+    def as_dict(self) -> dict[str, object]:
+        return {"hook": self.hook_name, "last": self.last.as_dict(), "total": self.total.as_dict()}
+
+    # -- recording, called by the reducers -------------------------------------------------------------
+    def begin_step(self) -> None:
+        self._current = StepStats(steps=1)
+        self._traffic_at_start = (comm.traffic.total_bytes, comm.traffic.total_calls)
+        self._error_sums = [0.0, 0.0]
+        self._inputs.clear()
+
+    @contextmanager
+    def timing_hook(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._current is not None:
+                self._current.hook_seconds += time.perf_counter() - start
+
+    def add_bucket(self, dense_bytes: int) -> None:
+        if self._current is not None:
+            self._current.dense_bytes += dense_bytes
+
+    def remember_input(self, index: int, buffer: torch.Tensor, averaged: bool) -> None:
+        """Keep a copy of bucket ``index``'s input for the error pass (``averaged``: already divided)."""
+        if self.measure_error:
+            self._inputs[index] = (buffer.detach().clone(), averaged)
+
+    def compare_result(self, index: int, result: torch.Tensor, group: ProcessGroup | None) -> None:
+        """Second pass: the exact average of the remembered input, against the hook's ``result``."""
+        remembered = self._inputs.pop(index, None)
+        if remembered is None:
+            return
+        exact, averaged = remembered
+        dist.all_reduce(exact, group=group)  # deliberately not through gradcomm.comm: not hook traffic
+        if not averaged:
+            exact.div_(dist.get_world_size(group))
+        exact = exact.double()
+        self._error_sums[0] += (result.double() - exact).pow(2).sum().item()
+        self._error_sums[1] += exact.pow(2).sum().item()
+
+    def end_step(self) -> None:
+        step, self._current = self._current, None
+        if step is None:
+            return
+        step.bytes_sent = comm.traffic.total_bytes - self._traffic_at_start[0]
+        step.collective_calls = comm.traffic.total_calls - self._traffic_at_start[1]
+        if self.measure_error:
+            difference, exact = self._error_sums
+            step.compression_error = math.sqrt(difference / exact) if exact > 0 else math.sqrt(difference)
+        self.last = step
+        self._accumulate(step)
+        self._emit(step)
+
+    def _accumulate(self, step: StepStats) -> None:
+        total = self.total
+        total.steps += 1
+        total.bytes_sent += step.bytes_sent
+        total.collective_calls += step.collective_calls
+        total.dense_bytes += step.dense_bytes
+        total.hook_seconds += step.hook_seconds
+        if step.compression_error is not None:
+            self._error_steps += 1
+            mean = total.compression_error or 0.0
+            total.compression_error = mean + (step.compression_error - mean) / self._error_steps
+
+    def _emit(self, step: StepStats) -> None:
+        if self.log_every and self.total.steps % self.log_every == 0:
+            logger.info(
+                "%s step %d: %d bytes in %d collectives (ratio %.2f), hook %.2f ms%s",
+                self.hook_name,
+                self.total.steps,
+                step.bytes_sent,
+                step.collective_calls,
+                step.compression_ratio,
+                1e3 * step.hook_seconds,
+                "" if step.compression_error is None else f", error {step.compression_error:.3g}",
+            )
+        if self.jsonl_path is not None:
+            record = {"hook": self.hook_name, "step": self.total.steps, **step.as_dict()}
+            with open(self.jsonl_path, "a", encoding="utf-8") as stream:
+                stream.write(json.dumps(record) + "\n")
