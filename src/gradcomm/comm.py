@@ -26,6 +26,7 @@ __all__ = [
     "group_size",
     "reduce_scatter_tensor",
     "traffic",
+    "wire_bytes",
 ]
 
 
@@ -42,6 +43,11 @@ class Traffic:
         with self._lock:
             self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + nbytes
             self.calls[kind] = self.calls.get(kind, 0) + 1
+
+    def snapshot(self) -> dict[str, int]:
+        """Bytes per collective kind so far (a copy)."""
+        with self._lock:
+            return dict(self.bytes_sent)
 
     @property
     def total_bytes(self) -> int:
@@ -85,6 +91,21 @@ def _future_of(work: dist.Work, result: T) -> torch.futures.Future[T]:
         return result
 
     return future.then(done)
+
+
+_WIRE_FACTORS = {
+    # bytes each rank puts on its link per byte it hands to the collective, for ring algorithms on n ranks
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: n - 1,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0 if n > 1 else 0.0,
+}
+
+
+def wire_bytes(bytes_by_kind: dict[str, int], world_size: int) -> float:
+    """Bytes one rank sends over its link for the given collective inputs, with bandwidth-optimal (ring)
+    algorithms: allreduce 2(n-1)/n of its input, all-gather (n-1) times, reduce-scatter (n-1)/n."""
+    return sum(_WIRE_FACTORS[kind](world_size) * nbytes for kind, nbytes in bytes_by_kind.items())
 
 
 def group_size(group: ProcessGroup | None) -> int:

@@ -47,12 +47,13 @@ class StepStats:
     dense_bytes: int = 0
     hook_seconds: float = 0.0
     compression_error: float | None = None
+    bytes_by_kind: dict[str, int] = field(default_factory=dict)
 
     @property
     def compression_ratio(self) -> float:
         return self.dense_bytes / self.bytes_sent if self.bytes_sent else math.inf
 
-    def as_dict(self) -> dict[str, float | int | None]:
+    def as_dict(self) -> dict[str, object]:
         return {**asdict(self), "compression_ratio": self.compression_ratio}
 
 
@@ -67,7 +68,7 @@ class CommStats:
     last: StepStats = field(default_factory=StepStats)
     total: StepStats = field(default_factory=StepStats)
     _current: StepStats | None = field(default=None, repr=False)
-    _traffic_at_start: tuple[int, int] = field(default=(0, 0), repr=False)
+    _traffic_at_start: tuple[dict[str, int], int] = field(default=({}, 0), repr=False)
     _error_sums: list[float] = field(default_factory=lambda: [0.0, 0.0], repr=False)
     _error_steps: int = field(default=0, repr=False)
     _inputs: dict[int, tuple[torch.Tensor, bool]] = field(default_factory=dict, repr=False)
@@ -82,7 +83,7 @@ class CommStats:
     # -- recording, called by the reducers -------------------------------------------------------------
     def begin_step(self) -> None:
         self._current = StepStats(steps=1)
-        self._traffic_at_start = (comm.traffic.total_bytes, comm.traffic.total_calls)
+        self._traffic_at_start = (comm.traffic.snapshot(), comm.traffic.total_calls)
         self._error_sums = [0.0, 0.0]
         self._inputs.clear()
 
@@ -121,8 +122,11 @@ class CommStats:
         step, self._current = self._current, None
         if step is None:
             return
-        step.bytes_sent = comm.traffic.total_bytes - self._traffic_at_start[0]
-        step.collective_calls = comm.traffic.total_calls - self._traffic_at_start[1]
+        before, calls_before = self._traffic_at_start
+        after = comm.traffic.snapshot()
+        step.bytes_by_kind = {kind: n - before.get(kind, 0) for kind, n in after.items() if n != before.get(kind, 0)}
+        step.bytes_sent = sum(step.bytes_by_kind.values())
+        step.collective_calls = comm.traffic.total_calls - calls_before
         if self.measure_error:
             difference, exact = self._error_sums
             step.compression_error = math.sqrt(difference / exact) if exact > 0 else math.sqrt(difference)
@@ -137,6 +141,8 @@ class CommStats:
         total.collective_calls += step.collective_calls
         total.dense_bytes += step.dense_bytes
         total.hook_seconds += step.hook_seconds
+        for kind, nbytes in step.bytes_by_kind.items():
+            total.bytes_by_kind[kind] = total.bytes_by_kind.get(kind, 0) + nbytes
         if step.compression_error is not None:
             self._error_steps += 1
             mean = total.compression_error or 0.0
