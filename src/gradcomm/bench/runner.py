@@ -1,0 +1,204 @@
+"""What each rank does in ``gradcomm bench``: train the workload once per hook and measure it.
+
+For every hook, with the same seed and data:
+
+1. *Compute time*: a few steps of the same model and hook on a process group of this rank alone, so
+   every cost but the network (forward, backward, optimizer, the hook's encoding and decoding) is counted.
+2. *Training*: ``steps`` steps on all ranks with gradcomm's DDP and the hook, recording per step the loss,
+   the wall time, and the bytes the hook handed to collectives (from the DDP's telemetry).
+3. *Evaluation*: loss and metric of the trained model on held-out data.
+
+Steady-state figures (median step time, bytes per step) skip the first ``warmup`` steps, which include the
+bucket rebuild and, for PowerSGD, its allreduce warm-up iterations.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import comm
+from ..distributed import DistributedDataParallel
+from ..hooks.registry import make_comm_hook, resolve_hook_name
+from .workloads import WORKLOADS, Workload
+
+__all__ = ["BenchConfig", "HookChoice", "HookRun", "bench_rank"]
+
+# Options the bench sets for every hook that accepts them, unless the hook choice sets them itself.
+BENCH_OPTION_DEFAULTS = {"start_powerSGD_iter": 10}
+
+
+@dataclass(frozen=True)
+class HookChoice:
+    """A registry hook name with options, written ``name`` or ``name:key=value,key=value``."""
+
+    name: str
+    options: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> HookChoice:
+        name, _, rest = text.strip().partition(":")
+        options = []
+        for item in filter(None, (part.strip() for part in rest.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"hook option {item!r} in {text!r} is not key=value")
+            options.append((key.strip(), value.strip()))
+        resolve_hook_name(name)  # unknown names fail here, listing the valid ones
+        return cls(name.strip(), tuple(options))
+
+    @property
+    def label(self) -> str:
+        shown = {"matrix_approximation_rank": "rank"}
+        if not self.options:
+            return self.name
+        return f"{self.name}({', '.join(f'{shown.get(k, k)}={v}' for k, v in self.options)})"
+
+    def with_defaults(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        """This choice's options over the bench defaults that its hook accepts."""
+        accepted = set(resolve_hook_name(self.name).value.option_names)
+        merged = {k: v for k, v in defaults.items() if k in accepted}
+        merged.update(self.options)
+        return merged
+
+
+@dataclass
+class BenchConfig:
+    workload: str = "transformer"
+    hooks: list[HookChoice] = field(default_factory=list)
+    steps: int = 150
+    warmup: int = 10
+    calibration_steps: int = 8
+    seed: int = 0
+    lr: float = 1e-3
+    bucket_cap_mb: float | None = None
+    option_defaults: dict[str, Any] = field(default_factory=lambda: dict(BENCH_OPTION_DEFAULTS))
+    device: str = "cpu"
+
+
+@dataclass
+class HookRun:
+    """One hook's measurements on one rank (losses are averaged over ranks)."""
+
+    label: str
+    hook: str
+    options: dict[str, Any]
+    rank: int
+    world_size: int
+    losses: list[float]
+    step_seconds: list[float]
+    bytes_per_step: list[int]
+    wire_bytes_per_step: list[float]
+    dense_bytes_per_step: int
+    compute_seconds: float
+    final_loss: float
+    final_metric: float
+    metric_name: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _train_step(ddp: nn.Module, optimizer: torch.optim.Optimizer, workload: Workload, batch: Any) -> torch.Tensor:
+    inputs, target = batch
+    loss = workload.loss(ddp(inputs), target)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def _wrapped(workload: Workload, model: nn.Module, choice: HookChoice, config: BenchConfig, group: Any) -> Any:
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=config.bucket_cap_mb)
+    hook, state = make_comm_hook(choice.name, process_group=group, **choice.with_defaults(config.option_defaults))
+    ddp.register_comm_hook(state, hook)
+    return ddp
+
+
+def _compute_seconds(
+    workload: Workload, model: nn.Module, choice: HookChoice, config: BenchConfig, solo_group: Any
+) -> float:
+    """Median step time of the same model and hook on a group of this rank alone: all but the network."""
+    ddp = _wrapped(workload, copy.deepcopy(model), choice, config, solo_group)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=config.lr)
+    rank = dist.get_rank()
+    times = []
+    for step in range(config.warmup + config.calibration_steps):
+        batch = workload.batch(rank, step)
+        start = time.perf_counter()
+        _train_step(ddp, optimizer, workload, batch)
+        _synchronize(config.device)
+        if step >= config.warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_hook(
+    workload: Workload, choice: HookChoice, config: BenchConfig, solo_group: Any, progress: Any = None
+) -> HookRun:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(config.seed)
+    model = workload.build_model()
+    compute = _compute_seconds(workload, model, choice, config, solo_group)
+    ddp = _wrapped(workload, model, choice, config, None)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=config.lr)
+    stats = ddp.comm_stats()
+    losses, seconds, sent, wire = [], [], [], []
+    for step in range(config.steps):
+        batch = workload.batch(rank, step)
+        start = time.perf_counter()
+        loss = _train_step(ddp, optimizer, workload, batch)
+        _synchronize(config.device)
+        seconds.append(time.perf_counter() - start)
+        losses.append(loss.item())
+        sent.append(stats.last.bytes_sent)
+        wire.append(comm.wire_bytes(stats.last.bytes_by_kind, world_size))
+        if progress is not None:
+            progress(choice.label, step + 1)
+    averaged = torch.tensor(losses, dtype=torch.float64, device=config.device)
+    dist.all_reduce(averaged)
+    final_loss, final_metric = workload.evaluate(ddp.module)
+    return HookRun(
+        label=choice.label,
+        hook=choice.name,
+        options=choice.with_defaults(config.option_defaults),
+        rank=rank,
+        world_size=world_size,
+        losses=(averaged / world_size).tolist(),
+        step_seconds=seconds,
+        bytes_per_step=sent,
+        wire_bytes_per_step=wire,
+        dense_bytes_per_step=stats.last.dense_bytes,
+        compute_seconds=compute,
+        final_loss=final_loss,
+        final_metric=final_metric,
+        metric_name=workload.metric_name,
+    )
+
+
+def bench_rank(config: BenchConfig, progress_queue: Any = None) -> list[dict[str, Any]]:
+    """Run every hook of ``config`` on this rank; return one :class:`HookRun` dict per hook."""
+    workload = WORKLOADS[config.workload](device=config.device)
+    rank = dist.get_rank()
+    # every rank must create every group, in the same order
+    solo_groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    report = None
+    if progress_queue is not None and rank == 0:
+        def report(label: str, step: int) -> None:
+            progress_queue.put((label, step))
+
+    runs = [run_hook(workload, choice, config, solo_groups[rank], report).as_dict() for choice in config.hooks]
+    dist.barrier()
+    return runs
