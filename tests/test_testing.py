@@ -15,6 +15,10 @@ def _sum_of_ranks(offset: float) -> float:
     return t.item() + offset
 
 
+def _tensor_result() -> torch.Tensor:
+    return torch.full((3,), float(dist.get_rank()))
+
+
 def _raise_on_rank_one() -> None:
     if dist.get_rank() == 1:
         raise ValueError("boom on purpose")
@@ -36,6 +40,12 @@ def _stall() -> None:
 @pytest.mark.timeout(60)
 def test_results_in_rank_order():
     assert run_on_ranks(_sum_of_ranks, 3, args=(0.5,)) == [3.5, 3.5, 3.5]
+
+
+@pytest.mark.timeout(60)
+def test_tensors_can_be_returned():
+    first, second = run_on_ranks(_tensor_result, 2)
+    assert torch.equal(first, torch.zeros(3)) and torch.equal(second, torch.ones(3))
 
 
 @pytest.mark.timeout(60)

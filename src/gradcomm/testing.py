@@ -19,7 +19,7 @@ Example::
     assert run_on_ranks(check_sum, world_size=3) == [3.0, 3.0, 3.0]
 
 ``fn`` must be importable by the child processes (a module-level function), and its arguments and
-return value picklable.
+return value picklable (tensors included).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -91,7 +92,8 @@ def _rank_main(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_timeout),
         )
-        value = fn(*args)
+        # Plain pickle: the queue's own pickler would send tensors as shared-memory handles that die with the rank.
+        value = pickle.dumps(fn(*args))
         results.put((rank, True, value, time.time()))
     except BaseException as exc:  # report everything, including KeyboardInterrupt and SystemExit
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}", time.time()))
@@ -199,7 +201,7 @@ def _collect(results: mp.Queue, values: dict[int, Any], failures: dict[int, tupl
     except queue.Empty:
         return
     if ok:
-        values[rank] = value
+        values[rank] = pickle.loads(value)
     else:
         failures[rank] = (when, value)
 
