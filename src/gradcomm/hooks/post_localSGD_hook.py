@@ -1,0 +1,191 @@
+"""Post-local SGD: global gradient averaging for a warm-up, then local SGD with periodic model averaging.
+
+`Post-local SGD <https://arxiv.org/abs/1808.07217>`_ trains like ordinary DDP for the first
+``start_localSGD_iter`` iterations (every bucket is all-reduced over ``process_group`` and divided by its
+size). From then on the hook stops global gradient synchronisation: each bucket is averaged only within
+``subgroup`` (by default the ranks of one machine), or not at all when ``post_local_gradient_allreduce`` is
+false, so the replicas drift apart. A model averager run after ``optimizer.step()``
+(:class:`gradcomm.averagers.PeriodicModelAverager`, with ``warmup_steps`` equal to ``start_localSGD_iter``)
+pulls them back together by averaging the parameters globally every ``period`` steps.
+
+Trade-offs:
+
+* Global traffic drops from one gradient all-reduce per step to one parameter all-reduce per ``period``
+  steps; the cheap intra-node all-reduce remains (or nothing, with ``post_local_gradient_allreduce=False``).
+* Between averagings the replicas differ, which adds noise that often helps generalisation late in training
+  but hurts early on: hence the global warm-up. Momentum and other optimizer state stay per rank.
+* ``post_local_gradient_allreduce`` is worth tuning: either setting may converge faster.
+
+Differences from ``torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook``, results unchanged:
+
+* ``subgroup=None`` with ``post_local_gradient_allreduce=True`` creates the intra-node subgroups with
+  :func:`torch.distributed.new_subgroups` in the constructor, not inside the hook, so the hook never blocks
+  on group creation. The node size is ``LOCAL_WORLD_SIZE`` (set by torchrun and
+  :func:`gradcomm.testing.run_on_ranks`), else the number of CUDA devices as torch assumes; on one machine
+  the intra-node subgroup is every rank. Every rank must construct the state, as with any group creation.
+* A subgroup of one rank skips the all-reduce (its average is the buffer itself).
+* The state is checkpointable (:class:`~gradcomm.hooks.hook_state.HookState`). Neither ``process_group``
+  nor ``subgroup`` is saved: :meth:`PostLocalSGDState.load_state_dict` keeps the groups of the live state,
+  which is built with the groups of the resumed run and then loaded; an unpickled state has the default
+  group and ``subgroup=None``, and creates the default intra-node subgroup at its first post-local step
+  (once, on every rank, as torch does) unless ``state.subgroup`` is assigned before.
+"""
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from gradcomm import comm
+from gradcomm.hooks.hook_state import HookState, _group_ranks
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PostLocalSGDState", "post_localSGD_hook"]
+
+_SUBGROUP_RANKS_KEY = "_saved_subgroup_ranks"
+
+
+def _intra_node_subgroup() -> ProcessGroup:
+    """This rank's subgroup of the ranks on its machine, creating every machine's subgroup (a collective)."""
+    local_world_size = os.environ.get("LOCAL_WORLD_SIZE")
+    if local_world_size:
+        group_size = int(local_world_size)
+    elif torch.cuda.is_available():
+        group_size = torch.cuda.device_count()
+    else:
+        raise ValueError(
+            "PostLocalSGDState: subgroup=None asks for the intra-node subgroup, but the number of ranks per "
+            "node is unknown: LOCAL_WORLD_SIZE is not set (torchrun sets it) and CUDA is unavailable. Pass "
+            "subgroup=dist.new_subgroups(group_size=...)[0], or post_local_gradient_allreduce=False."
+        )
+    subgroup, _ = dist.new_subgroups(group_size=group_size)
+    return subgroup
+
+
+class PostLocalSGDState(HookState):
+    """State of :func:`post_localSGD_hook`.
+
+    Args:
+        process_group: group for the global all-reduce of the first ``start_localSGD_iter`` iterations;
+            ``None`` for the default group.
+        subgroup: group for the gradient all-reduce afterwards. ``None`` means the intra-node subgroup,
+            created here (every rank must construct the state) when ``post_local_gradient_allreduce`` is
+            true; it is not needed, and stays ``None``, when that is false.
+        start_localSGD_iter: number of iterations with global all-reduce; give the model averager the
+            same number as ``warmup_steps``.
+        post_local_gradient_allreduce: whether gradients are still averaged within ``subgroup`` after
+            ``start_localSGD_iter``; if false each rank keeps its own gradients.
+
+    ``iter`` counts the iterations seen by the hook up to ``start_localSGD_iter`` (it is advanced on the last
+    bucket of each iteration and stops there, as in torch).
+    """
+
+    def __init__(
+        self,
+        process_group: ProcessGroup | None,
+        subgroup: ProcessGroup | None,
+        start_localSGD_iter: int,
+        post_local_gradient_allreduce: bool = True,
+    ) -> None:
+        if start_localSGD_iter < 0:
+            raise ValueError(f"PostLocalSGDState: start_localSGD_iter must be >= 0, got {start_localSGD_iter}")
+        logger.info("Local SGD will be started after %s iterations", start_localSGD_iter)
+        self.process_group = process_group
+        if subgroup is None and post_local_gradient_allreduce:
+            subgroup = _intra_node_subgroup()
+        self.subgroup = subgroup
+        self.start_localSGD_iter = start_localSGD_iter
+        self.post_local_gradient_allreduce = post_local_gradient_allreduce
+        self.iter = 0
+
+    def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
+        """Count an iteration when its last bucket is processed."""
+        if bucket.is_last():
+            self.iter += 1
+        if self.iter == self.start_localSGD_iter:
+            logger.info("Start to apply local SGD after %s iterations.", self.iter)
+
+    def post_local_group(self) -> ProcessGroup:
+        """The subgroup for the post-local all-reduce, creating the intra-node one if none is attached."""
+        if self.subgroup is None:
+            logger.warning(
+                "PostLocalSGDState: no subgroup attached (an unpickled state?); creating the intra-node "
+                "subgroups now, on every rank. Assign state.subgroup before training to avoid this."
+            )
+            self.subgroup = _intra_node_subgroup()
+        return self.subgroup
+
+    # -- checkpointing: the subgroup is left out like the process group ------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        subgroup = state.pop("subgroup", None)
+        state[_SUBGROUP_RANKS_KEY] = _group_ranks(subgroup) if subgroup is not None else None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        state.pop(_SUBGROUP_RANKS_KEY, None)
+        super().__setstate__(state)
+        self.subgroup = None
+
+    def _plain_state(self) -> dict[str, Any]:
+        state = super()._plain_state()
+        subgroup = state.pop("subgroup", None)
+        state[_SUBGROUP_RANKS_KEY] = _group_ranks(subgroup) if subgroup is not None else None
+        return state
+
+    def _restore_plain_state(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        saved = state.pop(_SUBGROUP_RANKS_KEY, None)
+        current = _group_ranks(self.subgroup) if self.subgroup is not None else None
+        if saved is not None and current is not None and saved != current:
+            logger.warning(
+                "PostLocalSGDState: checkpoint was saved with subgroup ranks %s; keeping this state's "
+                "subgroup with ranks %s.",
+                saved,
+                current,
+            )
+        state.pop("subgroup", None)
+        super()._restore_plain_state(state)
+
+
+def _allreduce_mean(group: ProcessGroup | None, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """Average ``tensor`` in place over ``group``, dividing first (as torch does) to avoid overflow."""
+    size = comm.group_size(group)
+    if size == 1:
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(tensor)
+        return done
+    tensor.div_(size)
+    return comm.all_reduce(tensor, group)
+
+
+def post_localSGD_hook(state: PostLocalSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce globally for ``start_localSGD_iter`` iterations, then within ``state.subgroup`` (or not at all).
+
+    Run a model averager after every ``optimizer.step()``::
+
+        state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=100)
+        ddp_model.register_comm_hook(state, post_localSGD_hook)
+        averager = PeriodicModelAverager(period=4, warmup_steps=100)
+        for batch in loader:
+            ...
+            optimizer.step()
+            averager.average_parameters(ddp_model.parameters())
+
+    Returns:
+        A future completing with the averaged bucket buffer (the buffer itself when nothing is reduced).
+    """
+    buffer = bucket.buffer()
+    if state.iter < state.start_localSGD_iter:
+        state.maybe_increase_iter(bucket)
+        return _allreduce_mean(state.process_group, buffer)
+    if not state.post_local_gradient_allreduce:
+        local: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        local.set_result(buffer)
+        return local
+    return _allreduce_mean(state.post_local_group(), buffer)
