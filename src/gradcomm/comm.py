@@ -22,6 +22,7 @@ __all__ = [
     "all_gather",
     "all_gather_into_tensor",
     "all_reduce",
+    "all_to_all_single",
     "broadcast",
     "group_size",
     "reduce_scatter_tensor",
@@ -98,13 +99,15 @@ _WIRE_FACTORS = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: n - 1,
     "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0 if n > 1 else 0.0,
 }
 
 
 def wire_bytes(bytes_by_kind: dict[str, int], world_size: int) -> float:
     """Bytes one rank sends over its link for the given collective inputs, with bandwidth-optimal (ring)
-    algorithms: allreduce 2(n-1)/n of its input, all-gather (n-1) times, reduce-scatter (n-1)/n."""
+    algorithms: allreduce 2(n-1)/n of its input, all-gather (n-1) times, reduce-scatter and all-to-all
+    (n-1)/n."""
     return sum(_WIRE_FACTORS[kind](world_size) * nbytes for kind, nbytes in bytes_by_kind.items())
 
 
@@ -153,6 +156,21 @@ def reduce_scatter_tensor(
     traffic.record("reduce_scatter", tensor)
     output = tensor.new_empty((tensor.numel() // world_size,))
     work = _reduce_scatter_single(output, tensor.reshape(-1), op=op, group=group, async_op=True)
+    return _future_of(work, output)
+
+
+def all_to_all_single(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.futures.Future[torch.Tensor]:
+    """Send chunk ``j`` of ``tensor`` (``world_size`` equal chunks along dim 0) to rank ``j``; the future holds
+    the chunks received, ordered by source rank, in a tensor shaped like ``tensor``."""
+    world_size = group_size(group)
+    if tensor.shape[0] % world_size:
+        raise ValueError(
+            f"all_to_all_single: dimension 0 of size {tensor.shape[0]} does not split into {world_size} equal "
+            "chunks; pad it to a multiple of the world size"
+        )
+    traffic.record("all_to_all", tensor)
+    output = torch.empty_like(tensor)
+    work = dist.all_to_all_single(output, tensor.contiguous(), group=group, async_op=True)
     return _future_of(work, output)
 
 

@@ -1,0 +1,116 @@
+"""Overflow- and underflow-safe reductions and bit packing shared by the compressors.
+
+Gradients reach 1e30 and the subnormal range in practice (loss scaling, exploding layers); a plain
+``vector_norm`` squares them into ``inf`` or ``0``. Everything here divides by the largest magnitude first and
+works on any device (no host synchronisation), so compressors built from these pieces stay finite and
+NCCL-ready.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+__all__ = [
+    "ordered_mean",
+    "pack_bits",
+    "pack_signs",
+    "safe_divide",
+    "safe_mean_abs",
+    "safe_norm",
+    "safe_rms",
+    "safe_std",
+    "unpack_bits",
+    "unpack_signs",
+    "work_dtype",
+]
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype statistics are computed and sent in: at least float32, so half precision cannot overflow."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _nonzero(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x == 0, torch.ones_like(x), x)
+
+
+def ordered_mean(tensors: Iterable[torch.Tensor], count: int) -> torch.Tensor:
+    """Mean of ``count`` tensors (or rows of a tensor) summed in the given order, so that every rank computing
+    it gets identical bits; each is divided first, so the sum cannot overflow where the mean does not."""
+    iterator = iter(tensors)
+    total = next(iterator) / count
+    for tensor in iterator:
+        total += tensor / count
+    return total
+
+
+def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """``numerator / denominator``, and 0 where the denominator is 0."""
+    return torch.where(denominator == 0, torch.zeros_like(numerator), numerator / _nonzero(denominator))
+
+
+def _max_abs(x: torch.Tensor, dim: int | None) -> torch.Tensor:
+    return x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+
+
+def safe_norm(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """L2 norm without underflow (``keepdim`` along ``dim``), saturating at the dtype's largest value."""
+    peak = _max_abs(x, dim)
+    scaled = x / _nonzero(peak)
+    norm = scaled.norm() if dim is None else scaled.norm(dim=dim, keepdim=True)
+    return (peak * norm).clamp_(max=torch.finfo(x.dtype).max)
+
+
+def safe_rms(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Root mean square (``||x||_2 / sqrt(n)``) without overflow or underflow (``keepdim`` along ``dim``)."""
+    peak = _max_abs(x, dim)
+    squares = (x / _nonzero(peak)).square()
+    return peak * (squares.mean() if dim is None else squares.mean(dim=dim, keepdim=True)).sqrt()
+
+
+def safe_mean_abs(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean magnitude (``||x||_1 / n``) without overflow (``keepdim`` along ``dim``)."""
+    peak = _max_abs(x, dim)
+    scaled = x.abs() / _nonzero(peak)
+    return peak * (scaled.mean() if dim is None else scaled.mean(dim=dim, keepdim=True))
+
+
+def safe_std(x: torch.Tensor) -> torch.Tensor:
+    """Population standard deviation of all elements without overflow."""
+    peak = _max_abs(x, None)
+    return peak * (x / _nonzero(peak)).std(correction=0)
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned codes ``< 2**bits`` along the last dimension, ``8 // bits`` per byte (zero padded)."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"pack_bits: bits must be 1, 2, 4 or 8, got {bits}")
+    codes = codes.to(torch.uint8)
+    if bits == 8:
+        return codes
+    per_byte = 8 // bits
+    codes = torch.nn.functional.pad(codes, (0, -codes.shape[-1] % per_byte))
+    codes = codes.reshape(*codes.shape[:-1], -1, per_byte)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    return (codes << shifts).sum(dim=-1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``length`` codes along the last dimension, as uint8."""
+    if bits == 8:
+        return packed[..., :length]
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], -1)[..., :length]
+
+
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    """One bit per element along the last dimension: 1 for ``x >= 0``, 0 for negatives."""
+    return pack_bits(x >= 0, 1)
+
+
+def unpack_signs(packed: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`pack_signs` as ``+1``/``-1`` of ``dtype``."""
+    return unpack_bits(packed, 1, length).to(dtype) * 2 - 1

@@ -1,0 +1,194 @@
+"""The compressor interface: what a gradient compression method implements.
+
+A method is one small class with two halves of a codec, ``compress(tensor) -> (payload, ctx)`` and
+``decompress(payload, ctx) -> tensor``. The payload is a list of tensors, the only thing sent; ``ctx``
+stays on the rank (shape, dtype, indices drawn from a shared seed). The class also declares
+
+* ``communicator``: how payloads travel (:mod:`gradcomm.compression.communicators`): summed by an allreduce,
+  all-gathered and aggregated on every rank, or a method-specific exchange;
+* ``error_feedback``: whether the method needs, benefits from, tolerates or forbids error feedback
+  (:mod:`gradcomm.compression.memory`), which the hook applies around it.
+
+A payload's tensor shapes and dtypes must depend only on the input's shape and dtype, never on its values:
+ranks exchange payloads of equal size without first agreeing on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from gradcomm.compression._numerics import ordered_mean
+
+if TYPE_CHECKING:
+    from gradcomm.compression.communicators import Communicator
+
+__all__ = [
+    "Compressor",
+    "ErrorFeedback",
+    "Payload",
+    "RandomizedCompressor",
+    "RowwiseCompressor",
+    "TensorSpec",
+]
+
+Payload = list[torch.Tensor]
+
+
+class ErrorFeedback(enum.Enum):
+    """A method's relation to error feedback; :meth:`resolve` turns a user's choice into on/off."""
+
+    RECOMMENDED = "recommended"
+    """Biased (sparsifiers, deterministic quantizers): on unless switched off."""
+    OPTIONAL = "optional"
+    """Unbiased (stochastic quantizers): off unless switched on."""
+    REQUIRED = "required"
+    """Diverges without it (scaled signs): always on."""
+    UNSUPPORTED = "unsupported"
+    """The aggregate is not the sum of what ranks sent (majority vote): a residual would be meaningless."""
+
+    def resolve(self, requested: bool | None, method: str) -> bool:
+        """Whether error feedback is on, given the hook's ``error_feedback`` (``None``: the default)."""
+        if requested is None:
+            return self in (ErrorFeedback.RECOMMENDED, ErrorFeedback.REQUIRED)
+        if self is ErrorFeedback.REQUIRED and not requested:
+            raise ValueError(f"{method} requires error feedback; pass error_feedback=True or leave it unset")
+        if self is ErrorFeedback.UNSUPPORTED and requested:
+            raise ValueError(
+                f"{method} does not support error feedback; pass error_feedback=False or leave it unset"
+            )
+        return requested
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of a compressed tensor, kept in ``ctx`` to restore it."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorSpec:
+        return cls(tensor.shape, tensor.dtype)
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+class Compressor(ABC):
+    """A gradient compression method (see the module docstring)."""
+
+    communicator: ClassVar[Communicator]
+    error_feedback: ErrorFeedback = ErrorFeedback.RECOMMENDED
+
+    @abstractmethod
+    def compress(self, tensor: torch.Tensor) -> tuple[Payload, Any]:
+        """Encode ``tensor``; the payload is what is sent, ``ctx`` what :meth:`decompress` needs locally."""
+
+    @abstractmethod
+    def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        """A tensor of the original shape and dtype from a payload (or, for allreduce, a sum of payloads)."""
+
+    def aggregate(self, gathered: Payload, ctx: Any) -> torch.Tensor:
+        """The mean over ranks of decompressed payloads; each tensor of ``gathered`` has a leading rank axis.
+
+        Ranks are summed in rank order so that every rank computes bit-identical results.
+        """
+        world_size = gathered[0].shape[0]
+        return ordered_mean(
+            (self.decompress([part[rank] for part in gathered], ctx) for rank in range(world_size)),
+            world_size,
+        )
+
+    def stream(self, key: Hashable) -> contextlib.AbstractContextManager[None]:
+        """Scope for compressing the tensor identified by ``key`` (see :class:`RandomizedCompressor`)."""
+        return contextlib.nullcontext()
+
+    def state_dict(self) -> dict[str, Any]:
+        """State to checkpoint with the hook's (tensors and plain values only)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, but was given {sorted(state)}")
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({fields})"
+
+
+class RandomizedCompressor(Compressor):
+    """A compressor drawing random numbers from its own generators, never from torch's global one.
+
+    Draws are keyed: inside ``with compressor.stream(key)`` (the hook uses one key per parameter), the
+    ``n``-th call of :meth:`generator` returns a generator seeded from ``(seed, rank, key, n)``. The numbers a
+    tensor gets therefore do not depend on the order in which tensors are compressed (DDP reorders its
+    buckets after the first iteration), and the state to checkpoint is one counter per key. With
+    ``shared_randomness`` the rank is left out and every rank draws the same numbers (random-k's shared
+    coordinates); otherwise rounding noise is independent across ranks and averages out.
+    """
+
+    shared_randomness: ClassVar[bool] = False
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self._draws: dict[Hashable, int] = {}
+        self._key: Hashable = None
+
+    @contextlib.contextmanager
+    def stream(self, key: Hashable) -> Iterator[None]:
+        previous, self._key = self._key, key
+        try:
+            yield
+        finally:
+            self._key = previous
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """A generator on ``device`` for the next draw of the current key (``None`` on the meta device)."""
+        if device.type == "meta":
+            return None
+        count = self._draws.get(self._key, 0)
+        self._draws[self._key] = count + 1
+        rank = 0 if self.shared_randomness or not dist.is_initialized() else dist.get_rank()
+        digest = hashlib.blake2b(repr((self.seed, rank, self._key, count)).encode(), digest_size=8).digest()
+        return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"draws": dict(self._draws)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._draws = dict(state["draws"])
+
+
+class RowwiseCompressor(Compressor):
+    """A compressor with one scale (or range) per row of a matrix, for exchanges splitting tensors in chunks.
+
+    Subclasses implement :meth:`compress_rows` and :meth:`decompress_rows`, whose payload tensors all have the
+    row axis first so that rows can be sent to different ranks; ``compress`` treats a tensor as one row.
+    """
+
+    @abstractmethod
+    def compress_rows(self, rows: torch.Tensor) -> tuple[Payload, Any]:
+        """Encode each row of a 2-D tensor; every payload tensor has ``rows.shape[0]`` as first dimension."""
+
+    @abstractmethod
+    def decompress_rows(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        """Decode rows (any number: payload rows may come from different ranks) to a 2-D tensor."""
+
+    def compress(self, tensor: torch.Tensor) -> tuple[Payload, Any]:
+        payload, ctx = self.compress_rows(tensor.reshape(1, -1))
+        return payload, (ctx, tensor.shape)
+
+    def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        row_ctx, shape = ctx
+        return self.decompress_rows(payload, row_ctx).reshape(shape)

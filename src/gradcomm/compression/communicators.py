@@ -1,0 +1,312 @@
+"""How compressed payloads travel between ranks: the exchange half of a compression method.
+
+A compressor names one communicator in its ``communicator`` attribute:
+
+* :data:`ALLREDUCE` (:class:`Allreduce`): payloads that can be summed element-wise (random-k values at shared
+  coordinates, casts, dense tensors): one allreduce per dtype, then one ``decompress`` of the sum.
+* :data:`ALLGATHER` (:class:`Allgather`): payloads that cannot be summed (top-k values and indices, signs with
+  per-rank scales): one all-gather of their bytes, then every rank decompresses all ranks' payloads and
+  ``aggregate`` s them in rank order.
+* :class:`TwoStageAllreduce`: compressed reduce-scatter then compressed all-gather, for
+  :class:`~gradcomm.compression.base.RowwiseCompressor` s (8-bit ByteGrad, 1-bit compressed allreduce).
+
+A communicator serves all the tensors of one bucket that use it with one collective (per stage), whatever
+their count. Every collective goes through :mod:`gradcomm.comm`, so it is counted in ``comm.traffic``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+
+from gradcomm import comm
+from gradcomm.compression._numerics import ordered_mean
+from gradcomm.compression.base import Compressor, Payload, RowwiseCompressor, TensorSpec
+from gradcomm.compression.memory import Memory, NoMemory
+
+__all__ = [
+    "ALLGATHER",
+    "ALLREDUCE",
+    "Allgather",
+    "Allreduce",
+    "Communicator",
+    "Message",
+    "TwoStageAllreduce",
+    "when_all",
+]
+
+
+@dataclass
+class Message:
+    """One compressed tensor on its way: the payload to send and what the receiving side needs."""
+
+    key: Hashable
+    compressor: Compressor
+    payload: Payload
+    ctx: Any
+
+
+def when_all(futures: Sequence[torch.futures.Future[Any]]) -> torch.futures.Future[list[Any]]:
+    """A future of the values of ``futures``, in order."""
+    if len(futures) == 1:
+        return futures[0].then(lambda fut: [fut.value()])
+    return torch.futures.collect_all(list(futures)).then(lambda fut: [each.value() for each in fut.value()])
+
+
+def compensated_compress(
+    compressor: Compressor,
+    memory: Memory,
+    key: Hashable,
+    tensor: torch.Tensor,
+    compress: Callable[[torch.Tensor], tuple[Payload, Any]] | None = None,
+    decompress: Callable[[Payload, Any], torch.Tensor] | None = None,
+) -> tuple[Payload, Any]:
+    """Compress ``tensor`` plus its residual and keep what the compression dropped as the next residual.
+
+    ``compress``/``decompress`` default to the compressor's; random draws come from ``key``'s stream.
+    """
+    compress = compress or compressor.compress
+    decompress = decompress or compressor.decompress
+    corrected = memory.compensate(key, tensor)
+    with compressor.stream(key):
+        payload, ctx = compress(corrected)
+    if memory.enabled:
+        memory.update(key, corrected, decompress(payload, ctx))
+    return payload, ctx
+
+
+class Communicator(ABC):
+    """Encodes tensors (with error feedback) and exchanges a batch of their payloads asynchronously."""
+
+    def encode(
+        self, compressor: Compressor, key: Hashable, tensor: torch.Tensor, memory: Memory, world_size: int
+    ) -> Message:
+        """Compress ``tensor`` for this exchange, with ``memory``'s error feedback."""
+        payload, ctx = compensated_compress(compressor, memory, key, tensor)
+        return Message(key, compressor, payload, ctx)
+
+    @abstractmethod
+    def exchange(
+        self, messages: Sequence[Message], group: ProcessGroup | None, memory: Memory
+    ) -> torch.futures.Future[list[torch.Tensor]]:
+        """Send ``messages``; the future holds each one's mean over ranks, decompressed, in order.
+
+        ``memory`` is for the communicator's own residuals (:class:`TwoStageAllreduce`'s second stage).
+        """
+
+
+def _pack_rows(parts: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
+    """The bytes of ``parts`` side by side, row by row: a ``(rows, total bytes per row)`` uint8 tensor."""
+    return torch.cat([part.reshape(rows, -1).contiguous().view(torch.uint8) for part in parts], dim=1)
+
+
+def _unpack_rows(data: torch.Tensor, templates: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Inverse of :func:`_pack_rows` for rows shaped like ``templates`` (leading row axis excluded)."""
+    rows, out, offset = data.shape[0], [], 0
+    for template in templates:
+        nbytes = template.numel() * template.element_size()
+        chunk = data[:, offset : offset + nbytes].clone(memory_format=torch.contiguous_format)
+        out.append(chunk.view(template.dtype).view(rows, *template.shape))
+        offset += nbytes
+    return out
+
+
+def _split_by_message(parts: list[torch.Tensor], messages: Sequence[Message]) -> list[list[torch.Tensor]]:
+    out, start = [], 0
+    for message in messages:
+        out.append(parts[start : start + len(message.payload)])
+        start += len(message.payload)
+    return out
+
+
+@dataclass(frozen=True)
+class Allreduce(Communicator):
+    """Sum the payloads with allreduce: they must be floating point and linear in the compressed tensor.
+
+    Payloads are divided by the world size before the sum (as torch's allreduce hook does), so the sum cannot
+    overflow where the mean does not.
+    """
+
+    def exchange(
+        self, messages: Sequence[Message], group: ProcessGroup | None, memory: Memory
+    ) -> torch.futures.Future[list[torch.Tensor]]:
+        world_size = comm.group_size(group)
+        parts = [part for message in messages for part in message.payload]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for index, part in enumerate(parts):
+            if not part.is_floating_point():
+                raise TypeError(f"Allreduce: payloads must be floating point, got {part.dtype}")
+            by_dtype.setdefault(part.dtype, []).append(index)
+        flats = [
+            torch.cat([parts[i].reshape(-1) for i in indices]).div_(world_size)
+            for indices in by_dtype.values()
+        ]
+        futures = [comm.all_reduce(flat, group) for flat in flats]
+
+        def decompress(_: torch.futures.Future[list[torch.Tensor]]) -> list[torch.Tensor]:
+            summed: dict[int, torch.Tensor] = {}
+            for indices, flat in zip(by_dtype.values(), flats, strict=True):
+                pieces = flat.split([parts[i].numel() for i in indices])
+                summed.update(
+                    (i, piece.view(parts[i].shape)) for i, piece in zip(indices, pieces, strict=True)
+                )
+            in_order = [summed[i] for i in range(len(parts))]
+            return [
+                message.compressor.decompress(payload, message.ctx)
+                for message, payload in zip(messages, _split_by_message(in_order, messages), strict=True)
+            ]
+
+        return when_all(futures).then(decompress)
+
+
+@dataclass(frozen=True)
+class Allgather(Communicator):
+    """All-gather the payloads' bytes in one collective; each rank aggregates everyone's payloads itself.
+
+    Traffic grows with the world size (every rank receives every payload), the price of payloads that cannot
+    be summed without decompressing them.
+    """
+
+    def exchange(
+        self, messages: Sequence[Message], group: ProcessGroup | None, memory: Memory
+    ) -> torch.futures.Future[list[torch.Tensor]]:
+        world_size = comm.group_size(group)
+        templates = [part for message in messages for part in message.payload]
+        future = comm.all_gather_into_tensor(_pack_rows(templates, 1).view(-1), group)
+
+        def aggregate(fut: torch.futures.Future[torch.Tensor]) -> list[torch.Tensor]:
+            gathered = _unpack_rows(fut.value().view(world_size, -1), templates)
+            return [
+                message.compressor.aggregate(parts, message.ctx)
+                for message, parts in zip(messages, _split_by_message(gathered, messages), strict=True)
+            ]
+
+        return future.then(aggregate)
+
+
+@dataclass(frozen=True)
+class _Chunked:
+    """``ctx`` of a tensor split into one padded row per rank."""
+
+    spec: TensorSpec
+    rows: Any
+
+
+def _split_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    flat = tensor.reshape(-1)
+    return torch.nn.functional.pad(flat, (0, -flat.numel() % rows)).view(rows, -1)
+
+
+def _join_rows(rows: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    return rows.reshape(-1)[: spec.numel].view(spec.shape)
+
+
+def _all_to_all(rows: torch.Tensor, group: ProcessGroup | None) -> torch.futures.Future[torch.Tensor]:
+    """Send row ``j`` of ``rows`` to rank ``j``; the future holds the rows received, one per source rank."""
+    return comm.all_to_all_single(rows, group)
+
+
+def _then_launch(
+    future: torch.futures.Future[Any],
+    launch: Callable[[torch.futures.Future[Any]], torch.futures.Future[Any]],
+) -> torch.futures.Future[Any]:
+    """``launch(future)`` once ``future`` completes, always on this thread.
+
+    A second collective launched from a completion callback would run on the backend's thread (gloo) and could
+    be ordered differently on different ranks relative to the collectives of later buckets, pairing unrelated
+    collectives. NCCL futures are complete at launch (stream-ordered), so this does not block there; gloo's
+    first stage is waited for here.
+    """
+    if not future.done():
+        future.wait()
+    return launch(future)
+
+
+@dataclass(frozen=True)
+class TwoStageAllreduce(Communicator):
+    """A compressed allreduce in two stages, for :class:`~gradcomm.compression.base.RowwiseCompressor` s.
+
+    Each tensor is split into one row per rank and compressed row-wise (one scale per row). Stage 1 (a
+    reduce-scatter done as an all-to-all): rank ``j`` receives row ``j`` from every rank, decompresses and
+    averages them, so partial sums never live in the compressed format and cannot overflow it; it compresses
+    the mean again, with a second error-feedback residual of a row's size when ``server_error_feedback``
+    (DeepSpeed's 1-bit compressed allreduce; Bagua's ByteGrad has none). Stage 2: an all-gather of the
+    recompressed rows, which every rank decompresses identically.
+    """
+
+    server_error_feedback: bool = False
+
+    @staticmethod
+    def _rowwise(compressor: Compressor) -> RowwiseCompressor:
+        if not isinstance(compressor, RowwiseCompressor):
+            raise TypeError(f"TwoStageAllreduce needs a RowwiseCompressor, got {type(compressor).__name__}")
+        return compressor
+
+    def encode(
+        self, compressor: Compressor, key: Hashable, tensor: torch.Tensor, memory: Memory, world_size: int
+    ) -> Message:
+        rowwise = self._rowwise(compressor)
+
+        def compress(corrected: torch.Tensor) -> tuple[Payload, _Chunked]:
+            payload, ctx = rowwise.compress_rows(_split_rows(corrected, world_size))
+            return payload, _Chunked(TensorSpec.of(corrected), ctx)
+
+        def decompress(payload: Payload, ctx: _Chunked) -> torch.Tensor:
+            return _join_rows(rowwise.decompress_rows(payload, ctx.rows), ctx.spec)
+
+        payload, ctx = compensated_compress(compressor, memory, key, tensor, compress, decompress)
+        return Message(key, compressor, payload, ctx)
+
+    def exchange(
+        self, messages: Sequence[Message], group: ProcessGroup | None, memory: Memory
+    ) -> torch.futures.Future[list[torch.Tensor]]:
+        world_size = comm.group_size(group)
+        server_memory = memory if self.server_error_feedback else NoMemory()
+        worker_parts = [part for message in messages for part in message.payload]
+        worker_templates = [part[0] for part in worker_parts]
+        received = _all_to_all(_pack_rows(worker_parts, world_size), group)
+
+        def reduce_and_gather(
+            fut: torch.futures.Future[torch.Tensor],
+        ) -> torch.futures.Future[list[torch.Tensor]]:
+            parts = _unpack_rows(fut.value(), worker_templates)
+            reduced = []
+            for message, its_parts in zip(messages, _split_by_message(parts, messages), strict=True):
+                rowwise = self._rowwise(message.compressor)
+                mean = ordered_mean(rowwise.decompress_rows(its_parts, message.ctx.rows), world_size)
+                reduced.append(
+                    compensated_compress(
+                        rowwise,
+                        server_memory,
+                        message.key,
+                        mean.unsqueeze(0),
+                        rowwise.compress_rows,
+                        rowwise.decompress_rows,
+                    )
+                )
+            server_parts = [part for payload, _ in reduced for part in payload]
+            gathered = comm.all_gather_into_tensor(_pack_rows(server_parts, 1).view(-1), group)
+
+            def decompress(fut: torch.futures.Future[torch.Tensor]) -> list[torch.Tensor]:
+                rows = _unpack_rows(fut.value().view(world_size, -1), [part[0] for part in server_parts])
+                return [
+                    _join_rows(
+                        self._rowwise(message.compressor).decompress_rows(its_rows, ctx), message.ctx.spec
+                    )
+                    for message, its_rows, (_, ctx) in zip(
+                        messages, _split_by_message(rows, messages), reduced, strict=True
+                    )
+                ]
+
+            return gathered.then(decompress)
+
+        return _then_launch(received, reduce_and_gather)
+
+
+ALLREDUCE = Allreduce()
+ALLGATHER = Allgather()

@@ -1,0 +1,40 @@
+"""signSGD with majority vote: every rank sends signs, the update is the sign of their sum.
+
+Bernstein, Zhao, Azizzadenesheli & Anandkumar, "signSGD with Majority Vote is Communication Efficient and
+Fault Tolerant", ICLR 2019 (and Bernstein et al., "signSGD: Compressed Optimisation for Non-Convex Problems",
+ICML 2018).
+
+The averaged gradient the hook returns is the vote, ``sign(sum_r sign(g_r))``: +1, -1, or 0 on a tie (even
+world sizes), so the optimizer's learning rate is the step size per coordinate (the paper's lr is of order
+1e-4; the magnitude of the gradient is discarded). 1 bit per coordinate, no scale. Momentum, as in Signum,
+belongs to the optimizer: apply it to the local gradient before the hook for the paper's variant.
+Error feedback is not supported: the vote is not the sum of what ranks sent, so a residual would not measure
+what was lost. Bits are all-gathered (the paper's parameter-server vote is done by every rank).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradcomm.compression._numerics import pack_signs, unpack_signs
+from gradcomm.compression.base import Compressor, ErrorFeedback, Payload, TensorSpec
+from gradcomm.compression.communicators import ALLGATHER
+
+__all__ = ["SignSGD"]
+
+
+class SignSGD(Compressor):
+    """One bit per coordinate; aggregated by majority vote."""
+
+    communicator = ALLGATHER
+    error_feedback = ErrorFeedback.UNSUPPORTED
+
+    def compress(self, tensor: torch.Tensor) -> tuple[Payload, TensorSpec]:
+        return [pack_signs(tensor.reshape(-1))], TensorSpec.of(tensor)
+
+    def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
+        return unpack_signs(payload[0], ctx.numel, ctx.dtype).view(ctx.shape)
+
+    def aggregate(self, gathered: Payload, ctx: TensorSpec) -> torch.Tensor:
+        votes = unpack_signs(gathered[0], ctx.numel, torch.int32).sum(dim=0)
+        return votes.sign().to(ctx.dtype).view(ctx.shape)

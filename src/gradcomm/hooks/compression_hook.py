@@ -1,0 +1,166 @@
+"""A DDP communication hook for any :mod:`gradcomm.compression` method, with optional error feedback.
+
+Register it in one line on torch's DistributedDataParallel or gradcomm's (overlapping or legacy)::
+
+    from gradcomm.compression import TopK
+    from gradcomm.hooks.compression_hook import compression_hook
+
+    state, hook = compression_hook(TopK(ratio=0.01))
+    ddp.register_comm_hook(state, hook)
+
+Per bucket, every parameter's gradient is handled on its own: large ones are compressed (with the
+compressor's error feedback, keyed by parameter), small ones (biases, norms: fewer than ``min_numel``
+elements, or compressed less than ``min_compression_rate`` times) are sent dense. Tensors that share a
+communicator share its collectives, so a bucket costs one collective per communicator (per stage), whatever
+its number of parameters. The future holds the bucket's averaged gradient, decompressed.
+
+Error-feedback residuals and random streams are keyed by parameter, not by bucket position, so they follow
+their parameter when DDP rebuilds its buckets after the first iteration; a parameter's key is the order in
+which the hook first sees it, the same in a resumed run, so a :meth:`CompressionState.state_dict` checkpoint
+resumes exactly.
+"""
+
+# No ``from __future__ import annotations``: torch's DDP compares the hook's annotations with real types.
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from gradcomm import comm
+from gradcomm.compression.base import Compressor
+from gradcomm.compression.communicators import Communicator, Message, when_all
+from gradcomm.compression.identity import NoCompression
+from gradcomm.compression.memory import Memory, NoMemory, ResidualMemory
+from gradcomm.hooks.hook_state import HookState
+
+__all__ = ["CompressionState", "compressed_allreduce_hook", "compression_hook"]
+
+_DENSE = NoCompression()
+_NO_MEMORY = NoMemory()
+
+
+class CompressionState(HookState):
+    """State of :func:`compressed_allreduce_hook`: the compressor, its error-feedback residuals and settings.
+
+    Args:
+        compressor: the compression method.
+        error_feedback: ``None`` for the method's default, or force it on or off (refused where the method
+            requires or forbids it; see :class:`~gradcomm.compression.base.ErrorFeedback`).
+        process_group: the group to average over (``None``: the default group).
+        min_compression_rate: compress a gradient only if its dense bytes are at least this many times the
+            payload's; otherwise it is sent dense.
+        min_numel: gradients with fewer elements are sent dense.
+    """
+
+    def __init__(
+        self,
+        compressor: Compressor,
+        error_feedback: bool | None = None,
+        process_group: ProcessGroup | None = None,
+        min_compression_rate: float = 2.0,
+        min_numel: int = 1024,
+    ):
+        self.compressor = compressor
+        self.error_feedback = compressor.error_feedback.resolve(error_feedback, type(compressor).__name__)
+        self.process_group = process_group
+        self.min_compression_rate = min_compression_rate
+        self.min_numel = min_numel
+        self.memory: Memory = ResidualMemory() if self.error_feedback else NoMemory()
+        self.server_memory = ResidualMemory()
+        self._reset_caches()
+
+    def _reset_caches(self) -> None:
+        self._keys: dict[int, int] = {}
+        self._compressible: dict[tuple[torch.Size, torch.dtype], bool] = {}
+
+    def keys(self, bucket: dist.GradBucket) -> list[Hashable]:
+        """One key per gradient of ``bucket``: its parameter's, or its position if no parameters are given."""
+        count = len(bucket.gradients())
+        parameters = bucket.parameters()
+        if len(parameters) != count:
+            return [f"bucket{bucket.index()}.{i}" for i in range(count)]
+        return [self._keys.setdefault(id(parameter), len(self._keys)) for parameter in parameters]
+
+    def compresses(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is compressed; depends only on its shape and dtype, hence equal on all ranks."""
+        if tensor.numel() < self.min_numel:
+            return False
+        signature = (tensor.shape, tensor.dtype)
+        if signature not in self._compressible:
+            payload, _ = self.compressor.compress(
+                torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+            )
+            payload_bytes = sum(part.numel() * part.element_size() for part in payload)
+            dense_bytes = tensor.numel() * tensor.element_size()
+            self._compressible[signature] = dense_bytes >= self.min_compression_rate * payload_bytes
+        return self._compressible[signature]
+
+    # -- checkpointing: residuals and the compressor's random-stream counters, never the caches ------------
+    def _plain_state(self) -> dict[str, Any]:
+        return {
+            "memory": self.memory.state_dict(),
+            "server_memory": self.server_memory.state_dict(),
+            "compressor": self.compressor.state_dict(),
+        }
+
+    def _restore_plain_state(self, state: dict[str, Any]) -> None:
+        self.memory.load_state_dict(state["memory"])
+        self.server_memory.load_state_dict(state["server_memory"])
+        self.compressor.load_state_dict(state["compressor"])
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_keys", None)
+        state.pop("_compressible", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._reset_caches()
+
+
+def compressed_allreduce_hook(
+    state: CompressionState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Average ``bucket``'s gradients over ``state.process_group``, compressed with ``state.compressor``."""
+    world_size = comm.group_size(state.process_group)
+    gradients = bucket.gradients()
+    batches: dict[Communicator, list[tuple[int, Message]]] = {}
+    for position, (key, gradient) in enumerate(zip(state.keys(bucket), gradients, strict=True)):
+        compressor, memory = (
+            (state.compressor, state.memory) if state.compresses(gradient) else (_DENSE, _NO_MEMORY)
+        )
+        communicator = compressor.communicator
+        message = communicator.encode(compressor, key, gradient, memory, world_size)
+        batches.setdefault(communicator, []).append((position, message))
+    futures = [
+        communicator.exchange([message for _, message in items], state.process_group, state.server_memory)
+        for communicator, items in batches.items()
+    ]
+    buffer = bucket.buffer()
+
+    def assemble(fut: torch.futures.Future[list[list[torch.Tensor]]]) -> torch.Tensor:
+        averaged: dict[int, torch.Tensor] = {}
+        for items, tensors in zip(batches.values(), fut.value(), strict=True):
+            averaged.update((position, tensor) for (position, _), tensor in zip(items, tensors, strict=True))
+        flat = torch.cat([averaged[position].reshape(-1) for position in range(len(gradients))])
+        return flat.to(buffer.dtype).view(buffer.shape)
+
+    return when_all(futures).then(assemble)
+
+
+def compression_hook(
+    compressor: Compressor,
+    error_feedback: bool | None = None,
+    process_group: ProcessGroup | None = None,
+    min_compression_rate: float = 2.0,
+    min_numel: int = 1024,
+) -> tuple[
+    CompressionState, Callable[[CompressionState, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+]:
+    """The state and hook to pass to ``register_comm_hook`` (arguments as :class:`CompressionState`)."""
+    state = CompressionState(compressor, error_feedback, process_group, min_compression_rate, min_numel)
+    return state, compressed_allreduce_hook

@@ -1,0 +1,311 @@
+"""The compression hook on 2 and 3 gloo ranks, under torch's DDP and gradcomm's DDP and legacy DDP.
+
+Every method keeps the ranks' parameters identical while training, sends exactly the bytes its wire format
+implies, averages what the ranks sent, and resumes from a ``weights_only`` checkpoint as if never
+interrupted. Each world size spawns its ranks once; every DDP kind and method runs inside that one group and
+the tests below check the returned results.
+"""
+
+import functools
+import io
+import math
+import pickle
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import gradcomm
+from gradcomm import comm
+from gradcomm.compression import QSGD, ByteGrad, EFSignSGD, OneBit, RandomK, SignSGD, TernGrad, TopK
+from gradcomm.compression.communicators import compensated_compress
+from gradcomm.hooks.compression_hook import CompressionState, compressed_allreduce_hook, compression_hook
+from gradcomm.testing import run_on_ranks
+from tests.ddp_kinds import DDP_KINDS, make_ddp
+
+METHODS = {
+    "topk": TopK,
+    "randomk": RandomK,
+    "efsign": EFSignSGD,
+    "signsgd": SignSGD,
+    "qsgd": QSGD,
+    "terngrad": TernGrad,
+    "bytegrad": ByteGrad,
+    "onebit": OneBit,
+}
+DETERMINISTIC = ("topk", "efsign", "signsgd", "bytegrad", "onebit")
+STEPS = 20
+WORLD_SIZES = [2, 3]
+KINDS = (*DDP_KINDS, "legacy")
+BUCKET_CAP_MB = 0.005  # several buckets (and, for torch's DDP, a rebuild after the first step)
+LEGACY_BUFFER = 1500  # elements: several buffers
+
+# The model: its weights of 1280 and 3072 elements are compressed (min_numel=1024); the 240-element weight
+# and the biases (64 + 48 + 5) are sent dense.
+COMPRESSED = (1280, 3072)
+DENSE_FLOATS = 240 + 64 + 48 + 5
+
+# Resumed runs compress every tensor (no dense allreduce): a fresh DDP's first bucket layout differs from the
+# rebuilt one it was checkpointed with, and on 3 gloo ranks a dense allreduce sums in a layout-dependent order
+# (last-bit differences). Everything else, residuals and random streams included, must resume exactly.
+EVERYTHING = {"min_numel": 1, "min_compression_rate": 0.0}
+RESUMED = {"topk": EVERYTHING, "onebit": EVERYTHING, "qsgd": dict(EVERYTHING, error_feedback=True)}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(20, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 48),
+        torch.nn.ReLU(),
+        torch.nn.Linear(48, 5),
+    )
+
+
+def _flat(model: torch.nn.Module) -> np.ndarray:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+
+
+def _batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and a learnable target (a fixed linear map of the inputs)."""
+    x = torch.randn(16, 20, generator=generator)
+    return x, x[:, :5] - x[:, 5:10]
+
+
+def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1000 + dist.get_rank())
+    return [_batch(generator) for _ in range(steps)]
+
+
+def _held_out_loss(model: torch.nn.Module) -> float:
+    x, y = _batch(torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        return F.mse_loss(model(x), y).item()
+
+
+def _setup(
+    kind: str, model: torch.nn.Module, state: CompressionState
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    if kind == "legacy":
+        ddp = gradcomm.LegacyDistributedDataParallel(model, dist.get_world_size(), buffer_size=LEGACY_BUFFER)
+    else:
+        ddp = make_ddp(kind, model, bucket_cap_mb=BUCKET_CAP_MB)
+    ddp.register_comm_hook(state, compressed_allreduce_hook)
+    return ddp, torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+def _step(
+    ddp: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    optimizer.zero_grad()
+    F.mse_loss(ddp(batch[0]), batch[1]).backward()
+    if hasattr(ddp, "all_reduce"):  # the legacy DDP reduces explicitly
+        ddp.all_reduce()
+    optimizer.step()
+
+
+def _gathered_gradients(
+    model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+) -> list[list[torch.Tensor]]:
+    """Every rank's raw gradient of every parameter (gathered by torch.distributed, not comm: uncounted)."""
+    model.zero_grad()
+    F.mse_loss(model(batch[0]), batch[1]).backward()
+    gathered = []
+    for p in model.parameters():
+        gathered.append([torch.empty_like(p.grad) for _ in range(dist.get_world_size())])
+        dist.all_gather(gathered[-1], p.grad)
+    model.zero_grad()
+    return gathered
+
+
+def _first_step_error(name: str, model: torch.nn.Module, gathered: list[list[torch.Tensor]]) -> float:
+    """Largest deviation of the first averaged gradient from what the ranks' raw gradients imply, in units
+    of the deviation allowed: float rounding for dense tensors and reproducible methods, two quantization
+    steps (one per stage) for ByteGrad. Stochastic methods and 1-bit are checked on dense tensors only."""
+    worst = 0.0
+    for p, grads in zip(model.parameters(), gathered, strict=True):
+        mean = sum(g / len(grads) for g in grads)
+        if p.numel() < 1024:
+            want, allowed = mean, 1e-6 * float(mean.abs().max()) + 1e-12
+        elif name in ("topk", "efsign", "signsgd"):
+            compressor = METHODS[name]()
+            payloads = [compressor.compress(g) for g in grads]
+            stacked = [
+                torch.stack(parts) for parts in zip(*(payload for payload, _ in payloads), strict=True)
+            ]
+            want = compressor.aggregate(stacked, payloads[0][1])
+            allowed = 1e-6 * float(want.abs().max()) + 1e-12
+        elif name == "bytegrad":
+            want, allowed = mean, 2 * max(float(g.max() - g.min()) for g in grads) / 255
+        else:
+            continue
+        worst = max(worst, float((p.grad - want).abs().max()) / allowed)
+    return worst
+
+
+def _train(kind: str, name: str) -> dict:
+    model = _model()
+    batches = _batches(STEPS)
+    gathered = _gathered_gradients(model, batches[0])
+    ddp, optimizer = _setup(kind, model, CompressionState(METHODS[name]()))
+    comm.traffic.reset()
+    loss_before = _held_out_loss(model)
+    _step(ddp, optimizer, batches[0])
+    first_step_error = _first_step_error(name, model, gathered)
+    for batch in batches[1:]:
+        _step(ddp, optimizer, batch)
+    return {
+        "params": _flat(model),
+        "bytes": dict(comm.traffic.bytes_sent),
+        "losses": (loss_before, _held_out_loss(model)),
+        "first_step_error": first_step_error,
+    }
+
+
+def _resume_gap(kind: str, name: str, kwargs: dict) -> float:
+    """Max parameter difference between 6 uninterrupted steps and 3 + (checkpoint, fresh DDP, state) + 3."""
+    batches = _batches(6)
+    model = _model()
+    state = CompressionState(METHODS[name](), **kwargs)
+    ddp, optimizer = _setup(kind, model, state)
+    for batch in batches[:3]:
+        _step(ddp, optimizer, batch)
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "hook": state.state_dict()}, saved)
+    for batch in batches[3:]:
+        _step(ddp, optimizer, batch)
+
+    saved.seek(0)
+    checkpoint = torch.load(saved, weights_only=True)
+    resumed_model = _model()
+    resumed_model.load_state_dict(checkpoint["model"])
+    resumed_state = CompressionState(METHODS[name](), **kwargs)
+    resumed_state.load_state_dict(checkpoint["hook"])
+    resumed_ddp, resumed_optimizer = _setup(kind, resumed_model, resumed_state)
+    for batch in batches[3:]:
+        _step(resumed_ddp, resumed_optimizer, batch)
+    return float(np.abs(_flat(model) - _flat(resumed_model)).max())
+
+
+def _run_everything(kinds: tuple[str, ...]) -> dict:
+    return {
+        kind: {
+            "methods": {name: _train(kind, name) for name in METHODS},
+            "resume_gaps": {name: _resume_gap(kind, name, kwargs) for name, kwargs in RESUMED.items()},
+        }
+        for kind in kinds
+    }
+
+
+@functools.cache
+def _results(world_size: int) -> list[dict]:
+    return run_on_ranks(_run_everything, world_size, args=(KINDS,), timeout=270)
+
+
+def _expected_bytes_per_step(name: str, world_size: int) -> dict[str, int]:
+    """Payload bytes per step by collective, from each method's wire format (float32 gradients)."""
+    dense = 4 * DENSE_FLOATS
+    if name == "randomk":  # k float32 values at shared coordinates, summed with the dense tensors
+        return {"all_reduce": dense + sum(4 * math.ceil(0.01 * d) for d in COMPRESSED)}
+    chunks = [math.ceil(d / world_size) for d in COMPRESSED]  # two-stage methods: one padded chunk per rank
+    gathered = {
+        "topk": sum(math.ceil(0.01 * d) * (4 + 4) for d in COMPRESSED),  # float32 values + int32 indices
+        "efsign": sum(math.ceil(d / 8) + 4 for d in COMPRESSED),  # sign bits + a float32 scale
+        "signsgd": sum(math.ceil(d / 8) for d in COMPRESSED),  # sign bits
+        "qsgd": sum(
+            math.ceil(d / 512) * (512 // 2 + 4) for d in COMPRESSED
+        ),  # 4-bit codes + a norm per bucket
+        "terngrad": sum(math.ceil(d / 4) + 4 for d in COMPRESSED),  # 2-bit codes + a float32 scale
+        "bytegrad": sum(c + 8 for c in chunks),  # a chunk: 8-bit codes + float32 min and max ...
+        "onebit": sum(math.ceil(c / 8) + 4 for c in chunks),  # ... or sign bits + a float32 scale
+    }[name]
+    if name in ("bytegrad", "onebit"):
+        # stage 1 sends one chunk to every rank (all-to-all), stage 2 all-gathers this rank's reduced chunk
+        return {"all_reduce": dense, "all_to_all": world_size * gathered, "all_gather": gathered}
+    return {"all_reduce": dense, "all_gather": gathered}
+
+
+runs = pytest.mark.parametrize("kind", KINDS)
+world_sizes = pytest.mark.parametrize("world_size", WORLD_SIZES)
+
+
+@pytest.mark.timeout(300)
+@runs
+@world_sizes
+def test_every_method_keeps_ranks_identical_and_trains(kind, world_size):
+    initial = _flat(_model())
+    ranks = [rank[kind]["methods"] for rank in _results(world_size)]
+    for name in METHODS:
+        params = [rank[name]["params"] for rank in ranks]
+        assert all(np.array_equal(params[0], other) for other in params[1:]), f"{name}: ranks diverged"
+        assert np.isfinite(params[0]).all() and not np.array_equal(params[0], initial), name
+        before, after = ranks[0][name]["losses"]
+        assert after < before, f"{name}: held-out loss went from {before} to {after}"
+
+
+@pytest.mark.timeout(300)
+@runs
+@world_sizes
+def test_traffic_equals_payload_sizes(kind, world_size):
+    for rank in _results(world_size):
+        for name in METHODS:
+            expected = {
+                collective: STEPS * n for collective, n in _expected_bytes_per_step(name, world_size).items()
+            }
+            assert rank[kind]["methods"][name]["bytes"] == expected, name
+
+
+@pytest.mark.timeout(300)
+@runs
+@world_sizes
+def test_first_step_averages_what_ranks_sent(kind, world_size):
+    for rank in _results(world_size):
+        for name in METHODS:
+            assert rank[kind]["methods"][name]["first_step_error"] <= 1.0, name
+
+
+@pytest.mark.timeout(300)
+@runs
+@world_sizes
+def test_resume_from_weights_only_checkpoint(kind, world_size):
+    for rank in _results(world_size):
+        assert rank[kind]["resume_gaps"] == {name: 0.0 for name in RESUMED}
+
+
+@pytest.mark.timeout(300)
+def test_deterministic_methods_agree_across_ddp_kinds():
+    """On 2 ranks (where a dense sum cannot depend on order) bucket layouts must not change the result."""
+    results = _results(2)[0]
+    for name in DETERMINISTIC:
+        params = [results[kind]["methods"][name]["params"] for kind in results]
+        assert all(np.array_equal(params[0], other) for other in params[1:]), name
+
+
+def test_error_feedback_choice_is_checked_against_the_method():
+    with pytest.raises(ValueError, match="requires error feedback"):
+        compression_hook(EFSignSGD(), error_feedback=False)
+    with pytest.raises(ValueError, match="does not support error feedback"):
+        compression_hook(SignSGD(), error_feedback=True)
+    assert compression_hook(TopK())[0].error_feedback and not compression_hook(QSGD())[0].error_feedback
+
+
+def test_state_pickles_without_process_group_or_caches():
+    state, _ = compression_hook(QSGD(), error_feedback=True)
+    x = torch.randn(2048)
+    assert state.compresses(x)
+    compensated_compress(state.compressor, state.memory, 0, x)
+    restored = pickle.loads(pickle.dumps(state))
+    assert torch.equal(restored.memory.residuals[0], state.memory.residuals[0])
+    assert restored.compressor.state_dict() == state.compressor.state_dict() == {"draws": {0: 1}}
+    assert restored.process_group is None and not restored._compressible
+
+
+def test_small_and_poorly_compressed_tensors_are_sent_dense():
+    state, _ = compression_hook(TopK(0.5), min_numel=100)
+    assert not state.compresses(torch.zeros(99))
+    assert not state.compresses(torch.zeros(1000))  # values + indices of half the tensor: no saving
+    state, _ = compression_hook(TopK(0.01), min_numel=100)
+    assert state.compresses(torch.zeros(1000))

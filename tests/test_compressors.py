@@ -1,0 +1,283 @@
+"""Properties of every compressor on its own (no process group): codec round trips, selection, unbiasedness,
+error-feedback bookkeeping, and finiteness at the edges of the floating-point range."""
+
+import io
+import math
+import pickle
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from gradcomm.compression import (
+    QSGD,
+    ByteGrad,
+    Compressor,
+    EFSignSGD,
+    ErrorFeedback,
+    NoCompression,
+    OneBit,
+    RandomK,
+    ResidualMemory,
+    SignSGD,
+    TernGrad,
+    TopK,
+)
+from gradcomm.compression._numerics import pack_bits, unpack_bits
+from gradcomm.compression.communicators import compensated_compress
+
+HUGE = float(np.float32(1e30))
+FAST = settings(max_examples=25, deadline=None)
+SLOW = settings(max_examples=6, deadline=None)
+
+COMPRESSORS = {
+    "topk": TopK,
+    "randomk": RandomK,
+    "randomk_biased": partial(RandomK, unbiased=False),
+    "efsign": EFSignSGD,
+    "signsgd": SignSGD,
+    "qsgd": QSGD,
+    "qsgd_8bit": partial(QSGD, levels=127, bucket_size=64),
+    "terngrad": TernGrad,
+    "terngrad_unclipped": partial(TernGrad, clip=None),
+    "bytegrad": ByteGrad,
+    "onebit": OneBit,
+    "none": NoCompression,
+}
+NAMES = sorted(COMPRESSORS)
+
+shapes = hnp.array_shapes(min_dims=1, max_dims=3, min_side=1, max_side=12)
+
+
+def tensors(dtype=np.float32, low: float = -1e3, high: float = 1e3) -> st.SearchStrategy[torch.Tensor]:
+    elements = st.floats(low, high, width=32, allow_nan=False, allow_infinity=False, allow_subnormal=False)
+    return hnp.arrays(dtype, shapes, elements=elements).map(torch.from_numpy)
+
+
+def round_trip(compressor: Compressor, x: torch.Tensor) -> torch.Tensor:
+    payload, ctx = compressor.compress(x)
+    return compressor.decompress(payload, ctx)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@FAST
+@given(x=tensors(), dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]))
+def test_round_trip_keeps_shape_and_dtype(name, x, dtype):
+    x = x.to(dtype)
+    y = round_trip(COMPRESSORS[name](), x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert torch.isfinite(y).all()
+
+
+def _special(kind: str, shape: tuple[int, ...], value: float, sign_seed: int) -> torch.Tensor:
+    if kind == "constant":
+        return torch.full(shape, value)
+    signs = torch.randint(0, 2, shape, generator=torch.Generator().manual_seed(sign_seed)) * 2 - 1
+    magnitude = {"zero": 0.0, "tiny": 1e-42, "huge": 1e30, "largest": 3.0e38}[kind]  # tiny: float32 subnormal
+    return signs * torch.full(shape, magnitude)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@FAST
+@given(
+    kind=st.sampled_from(["zero", "constant", "tiny", "huge", "largest"]),
+    shape=shapes,
+    value=st.floats(width=32, allow_nan=False, allow_infinity=False),
+    sign_seed=st.integers(0, 2**16),
+)
+def test_finite_input_never_becomes_nan_or_inf(name, kind, shape, value, sign_seed):
+    compressor = COMPRESSORS[name]()
+    x = _special(kind, shape, value, sign_seed)
+    payload, ctx = compressor.compress(x)
+    assert all(torch.isfinite(part).all() for part in payload if part.is_floating_point())
+    y = compressor.decompress(payload, ctx)
+    assert torch.isfinite(y).all(), f"{name} turned {kind} input into {y}"
+    if kind == "zero" and name != "signsgd":  # signs of zeros are sent as +1
+        assert not y.any()
+
+
+@FAST
+@given(x=tensors(), ratio=st.floats(0.001, 1.0))
+def test_topk_keeps_exactly_the_k_largest_magnitudes(x, ratio):
+    compressor = TopK(ratio)
+    (values, indices), ctx = compressor.compress(x)
+    flat = x.reshape(-1)
+    k = max(1, math.ceil(ratio * flat.numel()))
+    assert indices.numel() == k == len(set(indices.tolist()))
+    assert torch.equal(values, flat[indices.long()])
+    dropped = torch.ones(flat.numel(), dtype=torch.bool)
+    dropped[indices.long()] = False
+    if dropped.any():
+        assert values.abs().min() >= flat[dropped].abs().max()
+    y = compressor.decompress([values, indices], ctx).reshape(-1)
+    assert torch.equal(y[~dropped], flat[~dropped]) and not y[dropped].any()
+
+
+def _mean_of_draws(compressor: Compressor, x: torch.Tensor, draws: int) -> torch.Tensor:
+    total = torch.zeros(x.shape, dtype=torch.float64)
+    for _ in range(draws):
+        total += round_trip(compressor, x).double()
+    return total / draws
+
+
+DRAWS = 2000
+SIGMAS = 6.0
+# Each coordinate of a mean of DRAWS independent draws has standard error sqrt(variance bound / DRAWS). By the
+# central limit theorem (DRAWS = 2000 draws of a bounded variable), a deviation beyond 6 standard errors has
+# probability ~2e-9 per coordinate: over every coordinate of every example below, a false failure is less
+# likely than 1e-4. The bounds are the papers' per-coordinate variances, maximized over the unknown rounding:
+#   QSGD:     Var = (norm_b / s)**2 * p (1 - p) <= (norm_b / s)**2 / 4   (norm_b: the bucket's norm)
+#   TernGrad: Var = |x| (scale - |x|)        <= scale**2 / 4            (scale = max |x|, no clipping)
+#   random-k: Var = x**2 (numel / k - 1)                                  (rescaled by numel / k)
+# A float32 rounding allowance (1e-5 relative to the tensor's peak) covers the codecs' arithmetic.
+
+
+def _assert_unbiased(mean: torch.Tensor, x: torch.Tensor, std_bound: torch.Tensor) -> None:
+    exact = x.double()
+    allowed = SIGMAS * std_bound / math.sqrt(DRAWS) + 1e-5 * exact.abs().max()
+    assert ((mean - exact).abs() <= allowed).all(), (mean - exact).abs().max()
+
+
+unbiased_inputs = hnp.arrays(
+    np.float32, st.integers(1, 48), elements=st.floats(-10, 10, width=32, allow_subnormal=False)
+).map(torch.from_numpy)
+
+
+@SLOW
+@given(x=unbiased_inputs, seed=st.integers(0, 1000))
+def test_qsgd_is_unbiased(x, seed):
+    compressor = QSGD(levels=3, bucket_size=16, seed=seed)
+    buckets = torch.nn.functional.pad(x.double(), (0, -x.numel() % 16)).view(-1, 16)
+    bucket_norms = buckets.norm(dim=1, keepdim=True).expand_as(buckets).reshape(-1)[: x.numel()]
+    _assert_unbiased(_mean_of_draws(compressor, x, DRAWS), x, bucket_norms / compressor.levels / 2)
+
+
+@SLOW
+@given(x=unbiased_inputs, seed=st.integers(0, 1000))
+def test_terngrad_without_clipping_is_unbiased(x, seed):
+    scale = x.double().abs().max()
+    _assert_unbiased(_mean_of_draws(TernGrad(clip=None, seed=seed), x, DRAWS), x, scale.expand(x.shape) / 2)
+
+
+@SLOW
+@given(x=unbiased_inputs, seed=st.integers(0, 1000))
+def test_randomk_is_unbiased(x, seed):
+    compressor = RandomK(ratio=0.25, seed=seed)
+    k = max(1, math.ceil(0.25 * x.numel()))
+    std = x.double().abs() * math.sqrt(x.numel() / k - 1)
+    _assert_unbiased(_mean_of_draws(compressor, x, DRAWS), x, std)
+
+
+@FAST
+@given(x=tensors(), seed=st.integers(0, 2**31))
+def test_randomk_shares_coordinates_across_ranks_with_one_seed(x, seed):
+    rank_a, rank_b = RandomK(seed=seed), RandomK(seed=seed)
+    for _ in range(3):
+        (_, (indices_a, _, _)), (_, (indices_b, _, _)) = rank_a.compress(x), rank_b.compress(-x)
+        assert torch.equal(indices_a, indices_b)
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in NAMES if COMPRESSORS[n]().error_feedback != ErrorFeedback.UNSUPPORTED]
+)
+@FAST
+@given(data=st.data())
+def test_error_feedback_conserves_mass(name, data):
+    """Everything put in is either sent or still held: sum(sent) + residual == sum(inputs)."""
+    shape = data.draw(shapes)
+    arrays = hnp.arrays(np.float32, shape, elements=st.floats(-100, 100, width=32))
+    inputs = [torch.from_numpy(x) for x in data.draw(st.lists(arrays, min_size=1, max_size=4))]
+    compressor, memory = COMPRESSORS[name](), ResidualMemory()
+    sent = torch.zeros(shape, dtype=torch.float64)
+    largest = max(float(x.abs().max()) for x in inputs)
+    for x in inputs:
+        payload, ctx = compensated_compress(compressor, memory, "w", x)
+        decompressed = compressor.decompress(payload, ctx).double()
+        sent += decompressed
+        largest = max(largest, float(decompressed.abs().max()), float(memory.residuals["w"].abs().max()))
+    total = torch.stack([x.double() for x in inputs]).sum(0)
+    # float32 arithmetic: a few roundings per step of the largest magnitude involved (rescaled random-k sends
+    # values ~numel/k times its inputs).
+    atol = 1e-6 * max(1.0, largest) * len(inputs)
+    torch.testing.assert_close(sent + memory.residuals["w"].double(), total, rtol=0, atol=atol)
+
+
+@FAST
+@given(
+    rows=hnp.arrays(
+        np.float32,
+        hnp.array_shapes(min_dims=2, max_dims=2, max_side=40),
+        elements=st.floats(-HUGE, HUGE, width=32),
+    ).map(torch.from_numpy)
+)
+def test_bytegrad_round_trip_within_one_quantization_step(rows):
+    compressor = ByteGrad()
+    payload, ctx = compressor.compress_rows(rows)
+    codes, low, high = payload
+    assert codes.dtype == torch.uint8 and codes.shape == rows.shape
+    error = (compressor.decompress_rows(payload, ctx).double() - rows.double()).abs()
+    step = (rows.double().amax(dim=1, keepdim=True) - rows.double().amin(dim=1, keepdim=True)) / 255
+    # One step, plus float32 rounding of the dequantized value and the subnormal spacing.
+    assert (error <= step + 1e-6 * rows.double().abs() + 1e-44).all()
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@FAST
+@given(length=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_bit_packing_round_trip(bits, length, seed):
+    codes = torch.randint(
+        0, 2**bits, (3, length), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8
+    )
+    packed = pack_bits(codes, bits)
+    assert packed.shape == (3, math.ceil(length * bits / 8))
+    assert torch.equal(unpack_bits(packed, bits, length), codes)
+
+
+@pytest.mark.parametrize("name", ["qsgd", "terngrad", "randomk"])
+def test_randomized_compressor_state_survives_checkpoint_and_pickle(name):
+    x = torch.randn(300, generator=torch.Generator().manual_seed(1))
+    original = COMPRESSORS[name]()
+    original.compress(x)
+    buffer = io.BytesIO()
+    torch.save(original.state_dict(), buffer)
+    buffer.seek(0)
+    restored = COMPRESSORS[name]()
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    unpickled = pickle.loads(pickle.dumps(original))
+    expected = round_trip(original, x)
+    assert torch.equal(round_trip(restored, x), expected)
+    assert torch.equal(round_trip(unpickled, x), expected)
+
+
+@pytest.mark.parametrize("name", ["qsgd", "terngrad", "randomk"])
+def test_random_draws_depend_on_the_key_not_on_call_order(name):
+    """DDP reorders buckets after its first step: a tensor's randomness must not depend on that order."""
+    tensors = {key: torch.randn(200, generator=torch.Generator().manual_seed(key)) for key in range(3)}
+    forward, backward = COMPRESSORS[name](), COMPRESSORS[name]()
+    results = {}
+    for key in (0, 1, 2):
+        with forward.stream(key):
+            results[key] = round_trip(forward, tensors[key])
+    for key in (2, 1, 0):
+        with backward.stream(key):
+            assert torch.equal(round_trip(backward, tensors[key]), results[key])
+
+
+def test_error_feedback_policies():
+    assert ErrorFeedback.RECOMMENDED.resolve(None, "m") and not ErrorFeedback.RECOMMENDED.resolve(False, "m")
+    assert not ErrorFeedback.OPTIONAL.resolve(None, "m") and ErrorFeedback.OPTIONAL.resolve(True, "m")
+    assert ErrorFeedback.REQUIRED.resolve(None, "m") and not ErrorFeedback.UNSUPPORTED.resolve(None, "m")
+    with pytest.raises(ValueError, match="requires error feedback"):
+        ErrorFeedback.REQUIRED.resolve(False, "EFSignSGD")
+    with pytest.raises(ValueError, match="does not support error feedback"):
+        ErrorFeedback.UNSUPPORTED.resolve(True, "SignSGD")
+
+
+def test_invalid_arguments_are_refused():
+    for make in (lambda: TopK(0), lambda: RandomK(1.5), lambda: QSGD(levels=128), lambda: TernGrad(clip=0)):
+        with pytest.raises(ValueError):
+            make()
