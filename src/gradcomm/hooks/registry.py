@@ -1,0 +1,445 @@
+"""Pick a communication hook by name, for command lines and config files.
+
+Every hook is one :class:`HookSpec` entry of :class:`CommHookType`: its name, the module and function
+implementing it, how to build its state from a process group and options, and which options it takes.
+Adding a hook is adding one entry. Hook modules are imported only when their hook is chosen, so a broken
+or absent hook module affects only its own names.
+
+Names are lower case (``powersgd``, ``quantize_per_tensor``, ``post_localsgd``); lookup ignores case,
+``_`` and ``-``, so torch's :class:`~torch.distributed.algorithms.ddp_comm_hooks.DDPCommHookType` names
+(``POWER_SGD``, ``BATCHED_POWER_SGD_RANK2``, ...) and its members select the same hooks.
+
+::
+
+    state = register_comm_hook_by_name(ddp_model, "powersgd", matrix_approximation_rank=4)
+    state = register_comm_hook_by_name(ddp_model, "powersgd", wrapper="fp16", start_powerSGD_iter="10")
+
+Option values given as strings (from a command line) are converted to the option's type. The returned
+state is what was registered: the process group (``None`` for the default) for stateless hooks, the
+hook's state object otherwise; keep it to checkpoint it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from types import ModuleType
+from typing import Any
+
+from torch.distributed import ProcessGroup
+
+__all__ = [
+    "CommHookType",
+    "HookSpec",
+    "Option",
+    "check_options",
+    "get_hook",
+    "hook_names",
+    "make_comm_hook",
+    "register_comm_hook_by_name",
+    "resolve_hook_name",
+    "wrapper_names",
+]
+
+_PACKAGE = "gradcomm.hooks"
+
+StateFactory = Callable[[ModuleType, ProcessGroup | None, dict[str, Any]], Any]
+
+
+_UNSET: Any = object()
+
+
+@dataclass(frozen=True)
+class Option:
+    """An option of a hook's state constructor.
+
+    ``type`` is what a string value is converted to (``None``: passed as given); ``default`` is passed when
+    the option is not given (unset: the constructor's own default applies).
+    """
+
+    name: str
+    type: type | None = None
+    required: bool = False
+    default: Any = _UNSET
+
+
+def process_group_state(
+    module: ModuleType, process_group: ProcessGroup | None, options: dict[str, Any]
+) -> Any:
+    """State factory of stateless hooks: the state is the process group."""
+    return process_group
+
+
+def constructed(class_name: str) -> StateFactory:
+    """State factory calling ``module.<class_name>(process_group=..., **options)``."""
+
+    def make(module: ModuleType, process_group: ProcessGroup | None, options: dict[str, Any]) -> Any:
+        return getattr(module, class_name)(process_group=process_group, **options)
+
+    make.__qualname__ = f"constructed({class_name!r})"
+    make.class_name = class_name  # type: ignore[attr-defined]
+    return make
+
+
+@dataclass(frozen=True)
+class HookSpec:
+    """One registry entry.
+
+    Attributes:
+        name: the canonical, lower-case name.
+        module: module under ``gradcomm.hooks`` holding ``hook`` and its state class.
+        hook: the hook function's name in ``module``.
+        state: builds the state from the imported module, the process group and the options.
+        options: the options ``state`` accepts.
+        presets: options fixed by this entry (``powersgd_rank2`` fixes ``matrix_approximation_rank=2``).
+        summary: one line for help texts.
+    """
+
+    name: str
+    module: str
+    hook: str
+    state: StateFactory = process_group_state
+    options: tuple[Option, ...] = ()
+    presets: tuple[tuple[str, Any], ...] = ()
+    summary: str = ""
+    option_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "option_names", tuple(o.name for o in self.options))
+
+
+_POWERSGD_OPTIONS = (
+    Option("matrix_approximation_rank", int),
+    Option("start_powerSGD_iter", int),
+    Option("min_compression_rate", float),
+    Option("use_error_feedback", bool),
+    Option("warm_start", bool),
+    Option("orthogonalization_epsilon", float),
+    Option("random_seed", int),
+    Option("compression_stats_logging_frequency", int),
+    Option("batch_tensors_with_same_shape", bool),
+)
+_POST_LOCALSGD_OPTIONS = (
+    Option("start_localSGD_iter", int, required=True),
+    Option("subgroup", default=None),
+    Option("post_local_gradient_allreduce", bool),
+)
+_POWERSGD = dict(module="powerSGD_hook", state=constructed("PowerSGDState"), options=_POWERSGD_OPTIONS)
+
+_COMPRESSION_OPTIONS = (
+    Option("error_feedback", bool),
+    Option("min_compression_rate", float),
+    Option("min_numel", int),
+)
+
+
+def compressed(compressor: str, *compressor_options: Option) -> dict[str, Any]:
+    """Entry fields for a :mod:`gradcomm.compression` method run by the generic compression hook.
+
+    ``compressor_options`` go to the compressor's constructor, the rest to ``CompressionState``.
+    """
+    own = {option.name for option in compressor_options}
+
+    def make(module: ModuleType, process_group: ProcessGroup | None, options: dict[str, Any]) -> Any:
+        from gradcomm import compression
+
+        method = getattr(compression, compressor)(**{k: v for k, v in options.items() if k in own})
+        rest = {k: v for k, v in options.items() if k not in own}
+        return module.CompressionState(method, process_group=process_group, **rest)
+
+    return dict(
+        module="compression_hook",
+        hook="compressed_allreduce_hook",
+        state=make,
+        options=(*compressor_options, *_COMPRESSION_OPTIONS),
+    )
+
+
+class CommHookType(Enum):
+    """The hooks selectable by name; ``CommHookType.POWERSGD.value`` is its :class:`HookSpec`."""
+
+    ALLREDUCE = HookSpec(
+        "allreduce", "default_hooks", "allreduce_hook", summary="average gradients (DDP default)"
+    )
+    FP16_COMPRESS = HookSpec(
+        "fp16_compress", "default_hooks", "fp16_compress_hook", summary="all-reduce in float16"
+    )
+    BF16_COMPRESS = HookSpec(
+        "bf16_compress", "default_hooks", "bf16_compress_hook", summary="all-reduce in bfloat16"
+    )
+    QUANTIZE_PER_TENSOR = HookSpec(
+        "quantize_per_tensor",
+        "quantization_hooks",
+        "quantization_pertensor_hook",
+        summary="all-gather 8-bit gradients quantized per tensor",
+    )
+    QUANTIZE_PER_CHANNEL = HookSpec(
+        "quantize_per_channel",
+        "quantization_hooks",
+        "quantization_perchannel_hook",
+        summary="all-gather 8-bit gradients quantized per row",
+    )
+    POWERSGD = HookSpec(
+        "powersgd", hook="powerSGD_hook", summary="PowerSGD low-rank compression", **_POWERSGD
+    )
+    POWERSGD_RANK2 = HookSpec(
+        "powersgd_rank2",
+        hook="powerSGD_hook",
+        presets=(("matrix_approximation_rank", 2),),
+        summary="PowerSGD, rank 2",
+        **_POWERSGD,
+    )
+    BATCHED_POWERSGD = HookSpec(
+        "batched_powersgd",
+        hook="batched_powerSGD_hook",
+        summary="PowerSGD on the whole bucket as one matrix",
+        **_POWERSGD,
+    )
+    BATCHED_POWERSGD_RANK2 = HookSpec(
+        "batched_powersgd_rank2",
+        hook="batched_powerSGD_hook",
+        presets=(("matrix_approximation_rank", 2),),
+        summary="batched PowerSGD, rank 2",
+        **_POWERSGD,
+    )
+    NOOP = HookSpec("noop", "debugging_hooks", "noop_hook", summary="no communication (for measurements)")
+    ALLGATHER = HookSpec(
+        "allgather",
+        "allgather_hooks",
+        "allgather_then_aggregate_hook",
+        summary="all-gather the buckets, then average",
+    )
+    TOPK = HookSpec(
+        "topk", summary="top-k sparsification, error feedback", **compressed("TopK", Option("ratio", float))
+    )
+    RANDOMK = HookSpec(
+        "randomk",
+        summary="random-k sparsification, shared coordinates (summable)",
+        **compressed("RandomK", Option("ratio", float), Option("unbiased", bool), Option("seed", int)),
+    )
+    EF_SIGNSGD = HookSpec(
+        "efsign", summary="scaled sign with error feedback (EF-SignSGD)", **compressed("EFSignSGD")
+    )
+    SIGNSGD = HookSpec("signsgd", summary="signSGD with majority vote", **compressed("SignSGD"))
+    QSGD = HookSpec(
+        "qsgd",
+        summary="QSGD stochastic quantization (unbiased)",
+        **compressed("QSGD", Option("levels", int), Option("bucket_size", int), Option("seed", int)),
+    )
+    TERNGRAD = HookSpec(
+        "terngrad",
+        summary="TernGrad ternary quantization",
+        **compressed("TernGrad", Option("clip", float), Option("seed", int)),
+    )
+    BYTEGRAD = HookSpec(
+        "bytegrad", summary="8-bit min-max quantization, all-to-all then all-gather", **compressed("ByteGrad")
+    )
+    ONEBIT = HookSpec("onebit", summary="two-stage error-compensated 1-bit allreduce", **compressed("OneBit"))
+    POST_LOCALSGD = HookSpec(
+        "post_localsgd",
+        "post_localSGD_hook",
+        "post_localSGD_hook",
+        state=constructed("PostLocalSGDState"),
+        options=_POST_LOCALSGD_OPTIONS,
+        summary="global all-reduce, then local SGD (pair with PeriodicModelAverager)",
+    )
+
+
+@dataclass(frozen=True)
+class _Wrapper:
+    module: str
+    function: str
+
+
+_WRAPPERS: Mapping[str, _Wrapper] = {
+    "fp16": _Wrapper("default_hooks", "fp16_compress_wrapper"),
+    "bf16": _Wrapper("default_hooks", "bf16_compress_wrapper"),
+}
+
+
+def _key(name: str) -> str:
+    return name.strip().lower().replace("_", "").replace("-", "")
+
+
+_BY_KEY: dict[str, CommHookType] = {_key(member.value.name): member for member in CommHookType}
+
+
+def hook_names() -> list[str]:
+    """The canonical names, in registry order."""
+    return [member.value.name for member in CommHookType]
+
+
+def wrapper_names() -> list[str]:
+    """The names accepted by ``wrapper=``."""
+    return list(_WRAPPERS)
+
+
+def resolve_hook_name(name: str | Enum) -> CommHookType:
+    """The registry entry for ``name``: a name, a :class:`CommHookType` or a torch ``DDPCommHookType``.
+
+    Raises:
+        ValueError: unknown name; the message lists the valid ones.
+    """
+    if isinstance(name, CommHookType):
+        return name
+    if isinstance(name, Enum):
+        name = name.name
+    if not isinstance(name, str):
+        raise TypeError(f"communication hook name must be a string, got {type(name).__name__}")
+    member = _BY_KEY.get(_key(name))
+    if member is None:
+        raise ValueError(
+            f"unknown communication hook {name!r}; valid names: {', '.join(hook_names())} "
+            "(case, '_' and '-' are ignored, so torch's DDPCommHookType names such as POWER_SGD work too)"
+        )
+    return member
+
+
+def _import(spec_name: str, module: str) -> ModuleType:
+    qualified = f"{_PACKAGE}.{module}"
+    try:
+        return importlib.import_module(qualified)
+    except ImportError as exc:
+        raise ImportError(
+            f"communication hook {spec_name!r} is implemented in {qualified}, which could not be imported: {exc}"
+        ) from exc
+
+
+def _attribute(spec_name: str, module: ModuleType, attribute: str) -> Any:
+    try:
+        return getattr(module, attribute)
+    except AttributeError:
+        raise ImportError(
+            f"communication hook {spec_name!r}: {module.__name__} has no {attribute!r}"
+        ) from None
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _convert(spec: HookSpec, option: Option, value: Any) -> Any:
+    if not isinstance(value, str) or option.type is None or option.type is str:
+        return value
+    text = value.strip()
+    try:
+        if option.type is bool:
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise ValueError(text)
+        return option.type(text)
+    except ValueError:
+        raise ValueError(
+            f"communication hook {spec.name!r}: option {option.name!r} expects {option.type.__name__}, "
+            f"got {value!r}"
+        ) from None
+
+
+def _check_options(spec: HookSpec, options: Mapping[str, Any]) -> dict[str, Any]:
+    valid = spec.option_names
+    unknown = [name for name in options if name not in valid]
+    if unknown:
+        listed = ", ".join(repr(name) for name in unknown)
+        accepted = f"valid options: {', '.join(valid)}" if valid else "it takes no options"
+        raise ValueError(f"communication hook {spec.name!r} got unknown option(s) {listed}; {accepted}")
+    presets = dict(spec.presets)
+    fixed = [name for name in options if name in presets]
+    if fixed:
+        raise ValueError(
+            f"communication hook {spec.name!r} fixes {', '.join(f'{n}={presets[n]!r}' for n in fixed)}; "
+            "choose the hook without the preset to set it"
+        )
+    by_name = {option.name: option for option in spec.options}
+    converted = {**presets, **{name: _convert(spec, by_name[name], value) for name, value in options.items()}}
+    for option in spec.options:
+        if option.default is not _UNSET and option.name not in converted:
+            converted[option.name] = option.default
+    missing = [option.name for option in spec.options if option.required and option.name not in converted]
+    if missing:
+        raise ValueError(f"communication hook {spec.name!r} requires option(s) {', '.join(missing)}")
+    return converted
+
+
+def check_options(name: str | Enum, **options: Any) -> dict[str, Any]:
+    """Validate and convert ``options`` for the hook called ``name``, without importing or building it.
+
+    Raises:
+        ValueError: unknown name or option, a value of the wrong type, or a missing required option.
+    """
+    return _check_options(resolve_hook_name(name).value, options)
+
+
+def get_hook(name: str | Enum, wrapper: str | None = None) -> Callable[..., Any]:
+    """The hook function for ``name`` (importing its module), wrapped by ``wrapper`` if given.
+
+    Raises:
+        ValueError: unknown name or wrapper.
+        ImportError: the hook's module (or the wrapper's) cannot be imported, or lacks the function.
+    """
+    spec = resolve_hook_name(name).value
+    wrap: _Wrapper | None = None
+    if wrapper is not None:
+        wrap = _WRAPPERS.get(_key(wrapper).removesuffix("compresswrapper").removesuffix("compress"))
+        if wrap is None:
+            raise ValueError(f"unknown hook wrapper {wrapper!r}; valid wrappers: {', '.join(_WRAPPERS)}")
+    hook = _attribute(spec.name, _import(spec.name, spec.module), spec.hook)
+    if wrap is not None:
+        hook = _attribute(spec.name, _import(spec.name, wrap.module), wrap.function)(hook)
+    return hook
+
+
+def make_comm_hook(
+    name: str | Enum,
+    *,
+    process_group: ProcessGroup | None = None,
+    wrapper: str | None = None,
+    **options: Any,
+) -> tuple[Callable[..., Any], Any]:
+    """Build ``(hook, state)`` for ``name`` without registering it.
+
+    Args:
+        name: a hook name (see :func:`hook_names`) or enum member.
+        process_group: the group the hook communicates over; ``None`` for the default group.
+        wrapper: ``"fp16"`` or ``"bf16"`` to run the hook on a half-precision copy of each bucket
+            (``fp16_compress_wrapper(hook)``); ``None`` for none.
+        options: the hook's state options, e.g. ``matrix_approximation_rank=4``; strings are converted.
+
+    Raises:
+        ValueError: unknown name, wrapper or option, a value of the wrong type, or a missing required
+            option. Options are checked before the hook's module is imported.
+        ImportError: the hook's module (or the wrapper's) cannot be imported.
+    """
+    spec = resolve_hook_name(name).value
+    checked = _check_options(spec, options)
+    hook = get_hook(spec.name, wrapper=wrapper)
+    module = _import(spec.name, spec.module)
+    state = spec.state(module, process_group, checked)
+    return hook, state
+
+
+def register_comm_hook_by_name(
+    model: Any,
+    name: str | Enum,
+    *,
+    process_group: ProcessGroup | None = None,
+    wrapper: str | None = None,
+    **options: Any,
+) -> Any:
+    """Register the hook called ``name`` on ``model`` and return its state.
+
+    ``model`` is anything with ``register_comm_hook(state, hook)``: gradcomm's or torch's
+    DistributedDataParallel. The other arguments are those of :func:`make_comm_hook`.
+    """
+    register = getattr(model, "register_comm_hook", None)
+    if not callable(register):
+        raise TypeError(
+            f"register_comm_hook_by_name: {type(model).__name__} has no register_comm_hook(state, hook); "
+            "wrap the module in a DistributedDataParallel first"
+        )
+    hook, state = make_comm_hook(name, process_group=process_group, wrapper=wrapper, **options)
+    register(state, hook)
+    return state
