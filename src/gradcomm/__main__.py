@@ -1,4 +1,4 @@
-"""Command line: ``gradcomm demo`` (a short distributed training run on local ranks)."""
+"""Command line: ``gradcomm bench`` (compare hooks by training) and ``gradcomm demo`` (a short run)."""
 
 from __future__ import annotations
 
@@ -7,19 +7,28 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .bench import cli as bench_cli
+
     parser = argparse.ArgumentParser(prog="gradcomm", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    bench = commands.add_parser(
+        "bench",
+        help="train a workload once per hook on N ranks (optionally behind shaped links) and compare them",
+        description=bench_cli.__doc__,
+    )
+    bench_cli.add_arguments(bench)
     demo = commands.add_parser("demo", help="train a small model on local ranks and print its loss")
     demo.add_argument("--world-size", type=int, default=2)
     demo.add_argument("--steps", type=int, default=60)
     demo.add_argument("--hook", default=None, help="communication hook name (default: plain averaging)")
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        from .demo import run_demo
+    if args.command == "bench":
+        return bench_cli.run(args)
+    from .demo import run_demo
 
-        if args.world_size < 1 or args.steps < 1:
-            parser.error("--world-size and --steps must be at least 1")
-        run_demo(args.world_size, args.steps, args.hook)
+    if args.world_size < 1 or args.steps < 1:
+        parser.error("--world-size and --steps must be at least 1")
+    run_demo(args.world_size, args.steps, args.hook)
     return 0
 
 

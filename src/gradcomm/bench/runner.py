@@ -26,7 +26,7 @@ from torch import nn
 
 from .. import comm
 from ..distributed import DistributedDataParallel
-from ..hooks.registry import make_comm_hook, resolve_hook_name
+from ..hooks.registry import check_options, make_comm_hook, resolve_hook_name
 from .workloads import WORKLOADS, Workload
 
 __all__ = ["BenchConfig", "HookChoice", "HookRun", "bench_rank"]
@@ -51,7 +51,7 @@ class HookChoice:
             if not sep or not key.strip():
                 raise ValueError(f"hook option {item!r} in {text!r} is not key=value")
             options.append((key.strip(), value.strip()))
-        resolve_hook_name(name)  # unknown names fail here, listing the valid ones
+        check_options(name, **dict(options))  # unknown names and options fail here, listing the valid ones
         return cls(name.strip(), tuple(options))
 
     @property

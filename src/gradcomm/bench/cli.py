@@ -1,0 +1,257 @@
+"""``gradcomm bench``: the command-line layer over :mod:`gradcomm.bench.runner` and :mod:`gradcomm.bench.report`.
+
+Locally it spawns ``--world-size`` gloo ranks (optionally each in its own network namespace behind a link
+shaped to ``--bandwidth``); launched by torchrun it joins the env:// rendezvous instead, using NCCL and the
+LOCAL_RANK GPU where there is one. Every failure ends in one line on stderr and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from .runner import BENCH_OPTION_DEFAULTS, BenchConfig, HookChoice
+from .workloads import WORKLOADS
+
+__all__ = ["DEFAULT_HOOKS", "add_arguments", "run"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HOOKS = (
+    "allreduce",
+    "fp16_compress",
+    "powersgd:matrix_approximation_rank=1",
+    "powersgd:matrix_approximation_rank=4",
+)
+
+
+class BenchError(Exception):
+    """A problem to report in one line (exit status 2 for bad input, 1 for a failed run)."""
+
+    def __init__(self, message: str, status: int = 2) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..hooks.registry import hook_names
+
+    parser.add_argument("--workload", default="transformer", help=f"one of: {', '.join(WORKLOADS)}")
+    parser.add_argument(
+        "--hooks",
+        nargs="+",
+        default=list(DEFAULT_HOOKS),
+        metavar="HOOK",
+        help=f"hooks to compare, each NAME or NAME:key=value,key=value. Names: {', '.join(hook_names())}",
+    )
+    parser.add_argument("--steps", type=int, default=150, help="training steps per hook")
+    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the steady-state figures")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--bucket-cap-mb", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--powersgd-rank", type=int, default=None, help="matrix_approximation_rank for hooks "
+                        "that take it and do not set it")
+    parser.add_argument("--hook-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an option for every hook that accepts it (repeatable)")
+    parser.add_argument("--bandwidth", default=None, help="shape each rank's link, e.g. 100mbit, 1gbit (root)")
+    parser.add_argument("--latency", default="0", help="one-way delay added to each link, e.g. 1ms")
+    parser.add_argument("--output", type=Path, default=None, help="output folder (default: a new timestamped one)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="hard limit for the whole run, seconds")
+    parser.add_argument("--collective-timeout", type=float, default=120.0,
+                        help="process-group timeout: a collective waiting longer fails its rank")
+
+
+def _config(args: argparse.Namespace, world_size: int, device: str) -> BenchConfig:
+    if args.workload not in WORKLOADS:
+        raise BenchError(f"unknown workload {args.workload!r}; valid workloads: {', '.join(WORKLOADS)}")
+    if world_size < 1:
+        raise BenchError(f"--world-size must be at least 1, got {world_size}")
+    if args.steps < 1:
+        raise BenchError(f"--steps must be at least 1, got {args.steps}")
+    try:
+        hooks = [HookChoice.parse(text) for text in args.hooks]
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
+    if not hooks:
+        raise BenchError("--hooks names no hook")
+    defaults: dict[str, Any] = dict(BENCH_OPTION_DEFAULTS)
+    if args.powersgd_rank is not None:
+        defaults["matrix_approximation_rank"] = str(args.powersgd_rank)
+    for item in args.hook_option:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise BenchError(f"--hook-option {item!r} is not KEY=VALUE")
+        defaults[key.strip()] = value.strip()
+    return BenchConfig(
+        workload=args.workload,
+        hooks=hooks,
+        steps=args.steps,
+        warmup=min(args.warmup, args.steps // 2),
+        seed=args.seed,
+        lr=args.lr,
+        bucket_cap_mb=args.bucket_cap_mb,
+        option_defaults=defaults,
+        device=device,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the bench; return the exit status."""
+    try:
+        if {"RANK", "WORLD_SIZE", "LOCAL_RANK"} <= os.environ.keys():
+            return _run_under_torchrun(args)
+        return _run_locally(args)
+    except BenchError as exc:
+        print(f"gradcomm bench: error: {exc}", file=sys.stderr)
+        return exc.status
+    except KeyboardInterrupt:
+        print("gradcomm bench: interrupted; all ranks and network namespaces were removed", file=sys.stderr)
+        return 130
+
+
+def _run_locally(args: argparse.Namespace) -> int:
+    from ..network import (
+        NetworkSetupError,
+        ShapedNetwork,
+        check_network_privileges,
+        parse_duration,
+        parse_rate,
+    )
+    from ..testing import RankError, run_on_ranks
+    from .runner import bench_rank
+
+    config = _config(args, args.world_size, "cpu")
+    rate = latency = None
+    network: AbstractContextManager[Any] = nullcontext()
+    try:
+        if args.bandwidth is not None:
+            rate, latency = parse_rate(args.bandwidth), parse_duration(args.latency)
+            check_network_privileges()
+            network = ShapedNetwork(args.world_size, rate, latency)
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
+    except NetworkSetupError as exc:
+        raise BenchError(f"--bandwidth needs network namespaces: {exc}") from None
+    output = args.output or Path(f"gradcomm-bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    import multiprocessing
+
+    progress_queue = multiprocessing.get_context("spawn").Queue()
+    try:
+        with network as net, _progress(progress_queue, config) as _:
+            placement = {} if net is None else {"namespaces": net.namespaces, "master_addr": net.master_addr}
+            runs = run_on_ranks(
+                bench_rank,
+                args.world_size,
+                args=(config, progress_queue),
+                timeout=args.timeout,
+                collective_timeout=args.collective_timeout,
+                **placement,
+            )
+    except NetworkSetupError as exc:
+        raise BenchError(f"could not set up the shaped network: {exc}", status=1) from None
+    except RankError as exc:
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "error.log").write_text(str(exc))
+        raise BenchError(f"{_one_line(exc)} (full report: {output / 'error.log'})", status=1) from None
+    _report(args, config, runs, output, rate)
+    return 0
+
+
+def _run_under_torchrun(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from .runner import bench_rank
+
+    if args.bandwidth is not None:
+        raise BenchError("--bandwidth shapes local namespaced ranks; under torchrun the real network is measured")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    try:
+        config = _config(args, dist.get_world_size(), device)
+        runs = bench_rank(config)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, runs)
+        if dist.get_rank() == 0:
+            output = args.output or Path(f"gradcomm-bench-{time.strftime('%Y%m%d-%H%M%S')}")
+            _report(args, config, gathered, output, None)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _report(
+    args: argparse.Namespace, config: BenchConfig, runs: list[list[dict[str, Any]]], output: Path, rate: float | None
+) -> None:
+    from .report import print_table, summarize, write_outputs
+
+    summaries = [summarize(run, config.warmup, rate) for run in runs[0]]
+    described = {
+        **asdict(config),
+        "hooks": [choice.label for choice in config.hooks],
+        "world_size": len(runs),
+        "bandwidth": args.bandwidth,
+        "latency": args.latency if args.bandwidth else None,
+        "command": " ".join(["gradcomm", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None,
+    }
+    link = f" behind {args.bandwidth} links" if args.bandwidth else ""
+    print_table(summaries, f"{config.workload}, {len(runs)} ranks{link}, {config.steps} steps per hook")
+    paths = write_outputs(output, described, runs, summaries)
+    print(f"results written to {output}/ ({', '.join(p.name for p in paths.values())})")
+
+
+class _progress:
+    """A rich progress bar fed by rank 0 through a queue, on a background thread."""
+
+    def __init__(self, updates: Any, config: BenchConfig) -> None:
+        self.updates = updates
+        self.config = config
+        self.stop = threading.Event()
+
+    def __enter__(self) -> _progress:
+        from rich.progress import Progress
+
+        self.bar = Progress(transient=False)
+        self.task = self.bar.add_task("training", total=self.config.steps * len(self.config.hooks))
+        self.bar.start()
+        self.thread = threading.Thread(target=self._follow, daemon=True)
+        self.thread.start()
+        return self
+
+    def _follow(self) -> None:
+        done: dict[str, int] = {}
+        while not self.stop.is_set():
+            try:
+                label, step = self.updates.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            except (EOFError, OSError):
+                return
+            done[label] = step
+            self.bar.update(self.task, completed=sum(done.values()), description=f"training {label}")
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=2)
+        self.bar.stop()
+
+
+def _one_line(error: BaseException) -> str:
+    lines = str(error).splitlines()
+    first = lines[0] if lines else type(error).__name__
+    detail = next((line for line in lines[1:] if line.strip() and not line.startswith(" ")), "")
+    return f"{first} {detail}".strip()
+
