@@ -34,7 +34,7 @@ import torch.distributed as dist
 __all__ = ["FORMAT", "load_checkpoint", "rank_file", "save_checkpoint"]
 
 FORMAT = "gradcomm.checkpoint/1"
-_RESERVED = ("format", "world_size", "rank", "model", "optimizer", "hook_state")
+_RESERVED = ("format", "world_size", "rank", "model", "optimizer", "hook_state", "bucket_layout")
 _PLAIN_LEAVES = (torch.Tensor, str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
 
 
@@ -80,7 +80,8 @@ def save_checkpoint(
     Every rank must call it (it ends with a barrier, so the checkpoint is complete on return).
 
     Args:
-        model: saved with ``model.state_dict()``.
+        model: saved with ``model.state_dict()``, and for gradcomm's DDP its bucket layout, which
+            :func:`load_checkpoint` restores so that per-bucket hook state fits the buckets it was made for.
         optimizer: saved with ``optimizer.state_dict()``, if given.
         hook_state: the communication hook's state, saved with its ``state_dict()``; ``None`` for hooks
             whose state is a process group.
@@ -109,6 +110,7 @@ def save_checkpoint(
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "hook_state": hook_state_dict,
+        "bucket_layout": model.bucket_layout() if callable(getattr(model, "bucket_layout", None)) else None,
         **extra,
     }
     os.makedirs(path, exist_ok=True)
@@ -179,6 +181,8 @@ def load_checkpoint(
     model.load_state_dict(checkpoint["model"])
     if optimizer is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])
+    if checkpoint.get("bucket_layout") is not None and callable(getattr(model, "load_bucket_layout", None)):
+        model.load_bucket_layout(checkpoint["bucket_layout"])
     if hook_state is not None:
         hook_state.load_state_dict(checkpoint["hook_state"])
     return checkpoint

@@ -180,6 +180,18 @@ class DistributedDataParallel(nn.Module):
         """
         self.reducer.register_comm_hook(state, hook)
 
+    def bucket_layout(self) -> dict[str, Any]:
+        """The bucket layout as plain values; saved by :func:`gradcomm.checkpoint.save_checkpoint`.
+
+        Hook state that is kept per bucket (PowerSGD's error feedback and warm start) only fits the buckets it
+        was made for, so a resumed run must reduce in the original run's buckets from its first step.
+        """
+        return self.reducer.bucket_layout()
+
+    def load_bucket_layout(self, layout: dict[str, Any]) -> None:
+        """Adopt a layout from :meth:`bucket_layout` (before the resumed run's first backward)."""
+        self.reducer.load_bucket_layout(layout)
+
     def comm_stats(self) -> CommStats:
         """Per-step and cumulative communication statistics on this rank (see :mod:`gradcomm.telemetry`).
 

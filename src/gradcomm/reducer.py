@@ -158,6 +158,29 @@ class Reducer:
         self._hook, self._hook_state, self._hook_name = hook, state, hook_name(hook)
         self.stats.hook_name = self._hook_name
 
+    def bucket_layout(self) -> dict[str, Any]:
+        """The bucket layout as plain values, for checkpoints: the parameter order the buckets are (or, after
+        a pending rebuild, will be) built from, and whether the one-time rebuild has happened."""
+        order = self._rebuild_order if self._rebuild_order is not None else self._layout_order
+        return {"order": list(order), "rebuilt": self._rebuild_done, "names": list(self._names)}
+
+    def load_bucket_layout(self, layout: dict[str, Any]) -> None:
+        """Adopt a saved :meth:`bucket_layout`, so a resumed run reduces in the same buckets as the original."""
+        if self._armed and self._callback_queued:
+            raise RuntimeError("load_bucket_layout: cannot change buckets during a backward pass")
+        if list(layout["names"]) != self._names:
+            mismatch = next(
+                (f"{a!r} here, {b!r} saved" for a, b in zip(self._names, layout["names"], strict=False) if a != b),
+                f"{len(self._names)} parameters here, {len(layout['names'])} saved",
+            )
+            raise ValueError(
+                "load_bucket_layout: the checkpoint's bucket layout is for other parameters "
+                f"({mismatch}); load it into the model it was saved from"
+            )
+        if layout["rebuilt"]:
+            self._rebuild_buckets(list(layout["order"]), broadcast=False)
+            self._rebuild_done, self._rebuild_order, self._ready_order = True, None, []
+
     def prepare_for_forward(self) -> None:
         """Called before a forward whose backward will synchronise: report trouble, rebuild buckets."""
         if self._unfinished:
@@ -188,6 +211,7 @@ class Reducer:
 
     # -- bucket layout -------------------------------------------------------------------------------------
     def _build_buckets(self, order: list[int]) -> None:
+        self._layout_order = order
         groups = assign_buckets(self._params, order, self._first_limit, self._limit)
         self._buckets = [
             _Bucket(index, indices, self._params, index == len(groups) - 1) for index, indices in enumerate(groups)
@@ -197,9 +221,10 @@ class Reducer:
             for index, view in zip(bucket.param_indices, bucket.views, strict=True):
                 self._location[index] = (bucket, view)
 
-    def _rebuild_buckets(self, ready_order: list[int]) -> None:
+    def _rebuild_buckets(self, ready_order: list[int], broadcast: bool = True) -> None:
         order = torch.tensor(ready_order, dtype=torch.int64)
-        dist.broadcast(order, src=dist.get_global_rank(self._group or dist.group.WORLD, 0), group=self._group)
+        if broadcast:  # rank 0's order, so that every rank has the same buckets
+            dist.broadcast(order, src=dist.get_global_rank(self._group or dist.group.WORLD, 0), group=self._group)
         old_grads = [p.grad for p in self._params] if self._as_view else []
         self._build_buckets(order.tolist())
         for index, grad in enumerate(old_grads):
