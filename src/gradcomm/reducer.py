@@ -244,7 +244,6 @@ class Reducer:
         self._callback_queued = False
         self._unused: list[int] = []
         self._locally_used = torch.zeros(len(self._params), dtype=torch.int32) if self._find_unused else None
-        self._used_future: torch.futures.Future | None = None
 
     def _on_grad_ready(self, index: int) -> None:
         if not self._armed:
@@ -296,9 +295,6 @@ class Reducer:
                 else:
                     self._futures[bucket.index] = call_hook(self._hook, self._hook_state, bucket.grad_bucket())
             self._next_bucket += 1
-        if self._next_bucket == len(self._buckets) and self._locally_used is not None:
-            work = dist.all_reduce(self._locally_used, group=self._group, async_op=True)
-            self._used_future = work.get_future()
 
     def _finalize(self) -> None:
         """Autograd-engine callback at the end of backward: wait for the buckets and write ``.grad``."""
@@ -307,12 +303,17 @@ class Reducer:
             if self._next_bucket < len(self._buckets):
                 self._unfinished = [self._names[i] for i in range(len(self._params)) if not self._ready[i]]
                 return
+            results = [
+                hook_result(self._hook_name, future, bucket.index, bucket.buffer)
+                for bucket, future in zip(self._buckets, self._futures, strict=True)
+            ]
             globally_used = None
-            if self._used_future is not None:
-                self._used_future.wait()
+            if self._locally_used is not None:
+                # Only now: a hook may launch collectives from its futures' callbacks, and this one must not
+                # interleave with them differently on different ranks.
+                dist.all_reduce(self._locally_used, group=self._group)
                 globally_used = self._locally_used.tolist()
-            for bucket, future in zip(self._buckets, self._futures, strict=True):
-                result = hook_result(self._hook_name, future, bucket.index, bucket.buffer)
+            for bucket, result in zip(self._buckets, results, strict=True):
                 self.stats.compare_result(bucket.index, result, self._group)
                 if not _same_tensor(result, bucket.buffer):
                     bucket.buffer.copy_(result)
@@ -346,11 +347,6 @@ class Reducer:
                     future.wait()
                 except Exception:
                     pass
-        if self._used_future is not None and not self._used_future.done():
-            try:
-                self._used_future.wait()
-            except Exception:
-                pass
 
     def remove_hooks(self) -> None:
         for handle in self._grad_hook_handles:
