@@ -13,34 +13,18 @@ import argparse
 import copy
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
+from _common import mlp, timed_step
 from torch import nn
 
 import gradcomm
 from gradcomm.testing import run_on_ranks
 
 
-def _model(width: int, depth: int) -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(width, 10))
-
-
-def _timed_step(ddp: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
-    start = time.perf_counter()
-    optimizer.zero_grad()
-    nn.functional.cross_entropy(ddp(x), y).backward()
-    optimizer.step()
-    return time.perf_counter() - start
-
-
 def measure(reps: int, steps: int, width: int, depth: int, bucket_cap_mb: float | None) -> dict[str, object]:
-    module = _model(width, depth)
+    module = mlp(width, depth)
     kinds = {
         "torch": nn.parallel.DistributedDataParallel(copy.deepcopy(module), bucket_cap_mb=bucket_cap_mb),
         "gradcomm": gradcomm.DistributedDataParallel(copy.deepcopy(module), bucket_cap_mb=bucket_cap_mb),
@@ -50,14 +34,14 @@ def measure(reps: int, steps: int, width: int, depth: int, bucket_cap_mb: float 
     x, y = torch.randn(32, width, generator=g), torch.randint(0, 10, (32,), generator=g)
     for name in kinds:  # warm-up, including the bucket rebuild after the first iteration
         for _ in range(3):
-            _timed_step(kinds[name], optimizers[name], x, y)
+            timed_step(kinds[name], optimizers[name], x, y)
     medians: dict[str, list[float]] = {name: [] for name in kinds}
     for rep in range(reps):
         times: dict[str, list[float]] = {name: [] for name in kinds}
         order = list(kinds) if rep % 2 == 0 else list(reversed(kinds))
         for _ in range(steps):
             for name in order:
-                times[name].append(_timed_step(kinds[name], optimizers[name], x, y))
+                times[name].append(timed_step(kinds[name], optimizers[name], x, y))
         for name in kinds:
             medians[name].append(statistics.median(times[name]))
     ratios = [ours / theirs for ours, theirs in zip(medians["gradcomm"], medians["torch"], strict=True)]

@@ -17,12 +17,12 @@ here with that check patched to accept one matrix.
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _common import mlp, timed_step
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
@@ -52,22 +52,6 @@ def _patch_torch_orthogonalize() -> None:
     torch_powersgd._orthogonalize = orthogonalize
 
 
-def _model(width: int, depth: int) -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(width, 10))
-
-
-def _timed_step(ddp: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
-    start = time.perf_counter()
-    optimizer.zero_grad()
-    nn.functional.cross_entropy(ddp(x), y).backward()
-    optimizer.step()
-    return time.perf_counter() - start
-
-
 def _state_bytes(state: Any) -> int:
     """Bytes of the tensors the state keeps between steps: error feedback and P/Q memories."""
     held = [
@@ -84,7 +68,7 @@ def _compare(
     hook_name, rank = VARIANTS[variant]
     contenders = {}
     for name, module in (("torch", torch_powersgd), ("ours", ours)):
-        model = _model(width, depth)
+        model = mlp(width, depth)
         ddp = DDPS[ddp_kind](model, bucket_cap_mb=BUCKET_CAP_MB)
         state = module.PowerSGDState(
             None, matrix_approximation_rank=rank, start_powerSGD_iter=START_POWERSGD_ITER
@@ -96,7 +80,7 @@ def _compare(
     state_bytes = dict.fromkeys(contenders, 0)
     for name, (ddp, optimizer, state) in contenders.items():
         for _ in range(WARMUP_STEPS):
-            _timed_step(ddp, optimizer, x, y)
+            timed_step(ddp, optimizer, x, y)
             state_bytes[name] = max(state_bytes[name], _state_bytes(state))
     medians: dict[str, list[float]] = {name: [] for name in contenders}
     for rep in range(reps):
@@ -105,7 +89,7 @@ def _compare(
         for _ in range(steps):
             for name in order:
                 ddp, optimizer, state = contenders[name]
-                times[name].append(_timed_step(ddp, optimizer, x, y))
+                times[name].append(timed_step(ddp, optimizer, x, y))
                 state_bytes[name] = max(state_bytes[name], _state_bytes(state))
         for name in contenders:
             medians[name].append(statistics.median(times[name]))
@@ -124,7 +108,7 @@ def peak_rss(hook_impl: str, variant: str, steps: int, width: int, depth: int, b
 
     _patch_torch_orthogonalize()
     hook_name, rank = VARIANTS[variant]
-    model = _model(width, depth)
+    model = mlp(width, depth)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
     state = None
     if hook_impl != "none":
@@ -137,7 +121,7 @@ def peak_rss(hook_impl: str, variant: str, steps: int, width: int, depth: int, b
     generator = torch.Generator().manual_seed(dist.get_rank())
     x, y = torch.randn(batch, width, generator=generator), torch.randint(0, 10, (batch,), generator=generator)
     for _ in range(steps):
-        _timed_step(ddp, optimizer, x, y)
+        timed_step(ddp, optimizer, x, y)
     return {
         "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "held": 0 if state is None else _state_bytes(state),
@@ -156,7 +140,7 @@ def measure(reps: int, steps: int, width: int, depth: int, batch: int) -> dict[s
                 )
             except Exception as exc:  # report the failing combination, measure the others
                 results[f"{ddp_kind}|{variant}"] = {"failed": f"{type(exc).__name__}: {exc}"}
-    results["params"] = sum(p.numel() for p in _model(width, depth).parameters())
+    results["params"] = sum(p.numel() for p in mlp(width, depth).parameters())
     return results
 
 

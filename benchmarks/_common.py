@@ -1,0 +1,26 @@
+"""Pieces shared by the benchmark scripts (run as ``python benchmarks/<script>.py``)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+
+def mlp(width: int, depth: int) -> nn.Module:
+    """``depth`` square ReLU layers of ``width`` and a 10-way head, seeded: the same model in every process."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def timed_step(ddp: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Seconds for one training step (zero_grad, forward, backward with its reduction, optimizer step)."""
+    start = time.perf_counter()
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    optimizer.step()
+    return time.perf_counter() - start
