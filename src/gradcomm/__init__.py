@@ -6,11 +6,22 @@ the contract of PyTorch's DDP communication hooks. Hooks live in :mod:`gradcomm.
 :class:`LegacyDistributedDataParallel` reduces explicitly after backward through the same hooks.
 """
 
+from .agreement import RanksDisagreeError
 from .distributed import DistributedDataParallel
+from .faults import NonFiniteGradientError, ParameterDriftError, PeerLostError
 from .grad_bucket import GradBucket
 from .hook_contract import CommHookError
 from .legacy import LegacyDistributedDataParallel
 
-__all__ = ["CommHookError", "DistributedDataParallel", "GradBucket", "LegacyDistributedDataParallel"]
+__all__ = [
+    "CommHookError",
+    "DistributedDataParallel",
+    "GradBucket",
+    "LegacyDistributedDataParallel",
+    "NonFiniteGradientError",
+    "ParameterDriftError",
+    "PeerLostError",
+    "RanksDisagreeError",
+]
 
 __version__ = "0.1.0"

@@ -4,12 +4,30 @@ Construction checks that every rank has the same parameters, broadcasts paramete
 and hands the trainable parameters to a :class:`~gradcomm.reducer.Reducer`. Each forward optionally
 broadcasts buffers (BatchNorm statistics) from rank 0 and arms the reducer for the coming backward, in which
 gradients are averaged bucket by bucket, overlapped with the rest of backward.
+
+Failure behaviour
+-----------------
+Nothing waits without a timeout: every collective is bounded by the process group's timeout (the
+``timeout=`` of ``torch.distributed.init_process_group``; torch's default is 30 minutes for gloo, so set a
+shorter one). When a peer dies or stalls, this rank raises :class:`~gradcomm.faults.PeerLostError`
+naming the step and the bucket (or buffer broadcast, join flag, ...) it was communicating, at once when the
+peer's connection closes, at the latest when the timeout passes. A hook that raises or whose future fails
+raises :class:`~gradcomm.CommHookError` with the hook, bucket, step and the original traceback. After any
+failure in a synchronised step the DDP refuses to continue (its collectives may be out of step with its
+peers'): restart and resume from a checkpoint (:mod:`gradcomm.checkpoint`).
+
+At the first synchronised forward (or at ``register_comm_hook``) the ranks compare hook, hook options, bucket
+layout and the options that add collectives, and all raise
+:class:`~gradcomm.agreement.RanksDisagreeError` if they differ. Optional checks: ``check_finite`` (no
+NaN or infinity leaves the rank), ``check_parameters_every`` (replicas still identical), and :meth:`join`
+for ranks with different numbers of batches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from .faults import ParameterDriftError, reporting_lost_peers
 from .hook_contract import CommHook
 from .reducer import Reducer
 from .telemetry import CommStats
@@ -71,6 +90,33 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: ProcessGroup, sr
                 tensor.copy_(synced)
 
 
+# Parameter checksums: each parameter's bits summed as integers, so the sum does not depend on the order of
+# summation (thread count, kernels) and any change of any bit pattern shows; combined modulo a prime.
+_CHECKSUM_MODULUS = (1 << 61) - 1
+_INT_VIEW = {1: torch.int8, 2: torch.int16}
+
+
+def _bit_sums(params: Sequence[torch.Tensor]) -> list[int]:
+    """Per parameter, the wrapping int32 sum of its elements' bit patterns: changes if any element's bits do."""
+    sums = []
+    for param in params:
+        data = param.detach()
+        if data.is_complex():
+            data = torch.view_as_real(data)
+        view = data.reshape(-1).view(_INT_VIEW.get(data.element_size(), torch.int32))
+        sums.append(view.sum(dtype=torch.int32))  # wraps around: order-independent, no int64 copy
+    return torch.stack(sums).tolist() if sums else []
+
+
+@dataclass
+class _JoinState:
+    """``join()``'s settings and what every rank has learned from the flags (identical on all ranks)."""
+
+    divide_by_initial_world_size: bool
+    throw_on_early_termination: bool
+    last_active: list[int] = field(default_factory=list)  # group ranks active in the last step anyone was
+
+
 def _move_to(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device, non_blocking=True)
@@ -98,6 +144,17 @@ class DistributedDataParallel(nn.Module):
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket, saving one gradient-sized copy.
         broadcast_buffers: broadcast buffers from rank 0 at every forward.
         device_ids: ``None`` or one device; inputs are moved to it.
+        check_finite: before a bucket is communicated, check that it holds no NaN or infinity, and raise
+            :class:`~gradcomm.faults.NonFiniteGradientError` naming the first such parameter and the
+            rank otherwise (the values never leave the rank). Costs one pass over the gradients per step
+            (and a device synchronisation per bucket on GPUs). Off by default.
+        check_parameters_every: every this many synchronised steps, compare a checksum of the parameters
+            across ranks (one ``all_gather`` of three integers) and raise
+            :class:`~gradcomm.faults.ParameterDriftError` on every rank, naming the step, the ranks
+            that differ from the lowest rank and the first differing parameter, if the replicas drifted
+            apart. ``None`` (the default) or 0: never.
+
+    The timeout of every collective is the process group's (``init_process_group(timeout=...)``).
     """
 
     def __init__(
@@ -111,9 +168,16 @@ class DistributedDataParallel(nn.Module):
         device_ids: Sequence[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
         init_sync: bool = True,
+        check_finite: bool = False,
+        check_parameters_every: int | None = None,
     ) -> None:
         super().__init__()
         group = _require_process_group(process_group, "gradcomm.DistributedDataParallel")
+        if check_parameters_every is not None and check_parameters_every < 0:
+            raise ValueError(
+                "gradcomm.DistributedDataParallel: check_parameters_every must be a positive number of steps, "
+                f"or None or 0 to never check; got {check_parameters_every}"
+            )
         if device_ids is not None and len(device_ids) > 1:
             raise ValueError(
                 f"gradcomm.DistributedDataParallel supports one device per process; got device_ids={list(device_ids)}"
@@ -132,7 +196,11 @@ class DistributedDataParallel(nn.Module):
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.require_backward_grad_sync = True
+        self.check_finite = check_finite
+        self.check_parameters_every = check_parameters_every or 0
         self._group = group
+        self._join: _JoinState | None = None
+        self._last_parameter_check = 0
         _check_same_parameters(module, group)
         if init_sync:
             broadcast_coalesced([p for p in module.parameters()] + list(module.buffers()), group)
@@ -143,24 +211,204 @@ class DistributedDataParallel(nn.Module):
             bucket_cap_mb,
             find_unused_parameters,
             gradient_as_bucket_view,
+            check_finite=check_finite,
+            settings={
+                "broadcast_buffers": repr(broadcast_buffers),
+                "check_parameters_every": repr(self.check_parameters_every),
+            },
         )
 
+    @property
+    def synchronised_steps(self) -> int:
+        """Synchronised steps completed on this rank; errors name steps counting from 0 (step ``n`` is the one
+        after ``n`` completed steps). Under :meth:`join` a joined rank's shadow steps count too."""
+        return self.reducer.synchronised_steps
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self.reducer.check_usable()
         synchronise = torch.is_grad_enabled() and self.require_backward_grad_sync
+        source = 0
+        if self._join is not None:
+            source = self._join_step(2 if synchronise else 1)
         if synchronise:
-            self.reducer.prepare_for_forward()
+            self.reducer.prepare_for_forward(source)
+            self._maybe_check_parameters(joined=False)
         else:
             self.reducer.disarm()
-        if self.broadcast_buffers:
-            buffers = list(self.module.buffers())
-            if buffers:
-                broadcast_coalesced(buffers, self._group)
+        self._broadcast_buffers(source)
         if self.device is not None:
             inputs, kwargs = _move_to(inputs, self.device), _move_to(kwargs, self.device)
         output = self.module(*inputs, **kwargs)
         if synchronise:
             self.reducer.prepare_for_backward(output)
         return output
+
+    def _broadcast_buffers(self, source: int) -> None:
+        if self.broadcast_buffers:
+            buffers = list(self.module.buffers())
+            if buffers:
+                with reporting_lost_peers(self.synchronised_steps, "broadcasting buffers", self._group):
+                    broadcast_coalesced(buffers, self._group, source)
+
+    def _collective_device(self) -> torch.device:
+        if dist.get_backend(self._group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    # -- uneven inputs ---------------------------------------------------------------------------------------
+    @contextmanager
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Iterator[None]:
+        """Train on uneven inputs: ranks that run out of batches keep matching the others' collectives.
+
+        ::
+
+            with ddp.join():
+                for batch in my_batches:  # any number of batches per rank
+                    loss_fn(ddp(batch)).backward()
+                    optimizer.step()
+
+        Inside, every forward starts with one small allreduce of "still has data" flags (one int per rank).
+        A rank that has left the loop waits at the end of the ``with`` block and, for each step the others
+        still take, does its part of their collectives: the buffer broadcast, the one-time bucket rebuild,
+        and a *shadow backward* that runs the communication hook on zero buckets in bucket order (so any
+        hook's collectives match). When every rank has finished, parameters and buffers are broadcast from
+        a rank that trained longest, so all replicas leave identical. A joined rank's optimizer state is
+        not updated in the steps it missed.
+
+        Averaging follows torch: joined ranks contribute zeros. With ``divide_by_initial_world_size=True``
+        (the default) the sum is divided by the initial world size, so a step with ``k`` active ranks
+        takes ``k / world_size`` of a full step; with ``False`` the default reduction divides by the
+        number of active ranks instead. A registered hook divides as it always does (by its group's size),
+        whatever this flag says, as in torch.
+
+        Args:
+            divide_by_initial_world_size: see above.
+            enable: ``False`` makes this a no-op (no flags, no shadowing).
+            throw_on_early_termination: raise on every rank as soon as any rank runs out of inputs, instead
+                of shadowing.
+
+        Every forward inside must be followed by its backward (on the ranks still training), as in torch;
+        a rank that raises inside leaves the others to fail at the process group's timeout.
+        """
+        if not enable:
+            yield
+            return
+        if self._join is not None:
+            raise RuntimeError("gradcomm.DistributedDataParallel.join() cannot be nested")
+        self._join = _JoinState(divide_by_initial_world_size, throw_on_early_termination)
+        try:
+            yield
+            self._shadow_until_all_joined()
+        finally:
+            self._join = None
+            self.reducer.set_active_ranks(None)
+
+    def _exchange_join_flags(self, mode: int) -> list[int]:
+        """One allreduce of per-rank flags: 0 joined, 1 a forward without sync, 2 a synchronised forward."""
+        assert self._join is not None
+        world = dist.get_world_size(self._group)
+        flags = torch.zeros(world, dtype=torch.int32, device=self._collective_device())
+        flags[dist.get_rank(self._group)] = mode
+        with reporting_lost_peers(self.synchronised_steps, "exchanging join() flags", self._group):
+            dist.all_reduce(flags, group=self._group)
+        values = flags.tolist()
+        active = [rank for rank, value in enumerate(values) if value]
+        if active:
+            self._join.last_active = active
+            if self._join.throw_on_early_termination and len(active) < world:
+                finished = [dist.get_global_rank(self._group, r) for r, v in enumerate(values) if not v]
+                raise RuntimeError(
+                    f"gradcomm.DistributedDataParallel.join(throw_on_early_termination=True): rank(s) "
+                    f"{finished} ran out of inputs at step {self.synchronised_steps}; raised on every rank"
+                )
+        return values
+
+    def _join_step(self, mode: int) -> int:
+        """A training rank's flag exchange; returns the group rank whose buffers and layout are authoritative."""
+        assert self._join is not None
+        active = [rank for rank, value in enumerate(self._exchange_join_flags(mode)) if value]
+        if mode == 2 and not self._join.divide_by_initial_world_size:
+            self.reducer.set_active_ranks(len(active))
+        return active[0]
+
+    def _shadow_until_all_joined(self) -> None:
+        """A rank out of inputs: match the others' collectives until every rank is, then sync the model."""
+        assert self._join is not None
+        while True:
+            values = self._exchange_join_flags(0)
+            active = [rank for rank, value in enumerate(values) if value]
+            if not active:
+                break
+            synchronising = 2 in values
+            if synchronising:
+                self.reducer.prepare_for_forward(active[0])
+                self._maybe_check_parameters(joined=True)
+            self._broadcast_buffers(active[0])
+            if synchronising:
+                self.reducer.shadow_backward()
+        if self._join.last_active:
+            tensors = [p for p in self.module.parameters()] + list(self.module.buffers())
+            with reporting_lost_peers(self.synchronised_steps, "synchronising the model after join()", self._group):
+                broadcast_coalesced(tensors, self._group, self._join.last_active[0])
+
+    # -- drift check -----------------------------------------------------------------------------------------
+    def _maybe_check_parameters(self, joined: bool) -> None:
+        every = self.check_parameters_every
+        step = self.synchronised_steps
+        if not every or step == 0 or step % every or step == self._last_parameter_check:
+            return
+        self._last_parameter_check = step
+        with reporting_lost_peers(step, "comparing parameter checksums", self._group):
+            self._check_parameters(step, joined)
+
+    def check_parameters(self) -> None:
+        """Compare the ranks' parameters now (a collective: every rank must call it); raise
+        :class:`~gradcomm.faults.ParameterDriftError` on every rank if they differ."""
+        with reporting_lost_peers(self.synchronised_steps, "comparing parameter checksums", self._group):
+            self._check_parameters(self.synchronised_steps, joined=False)
+
+    def _check_parameters(self, step: int, joined: bool) -> None:
+        params = list(self.module.parameters())
+        sums = _bit_sums(params)
+        first = sum(sums) % _CHECKSUM_MODULUS
+        weighted = sum((i + 1) * s for i, s in enumerate(sums)) % _CHECKSUM_MODULUS
+        world = dist.get_world_size(self._group)
+        device = self._collective_device()
+        mine = torch.tensor([0 if joined else 1, first, weighted], dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine, group=self._group)
+        rows = [row.tolist() for row in gathered]
+        compared = [rank for rank in range(world) if rows[rank][0]]  # joined ranks keep stale parameters
+        if not compared:
+            return
+        reference = compared[0]
+        drifted = [rank for rank in compared if rows[rank][1:] != rows[reference][1:]]
+        if not drifted:
+            return
+        # Every rank knows; a second, larger gather finds the first parameter that differs.
+        mine_all = torch.tensor(sums, dtype=torch.int64, device=device)
+        every_sum = [torch.empty_like(mine_all) for _ in range(world)]
+        dist.all_gather(every_sum, mine_all, group=self._group)
+        names = [name for name, _ in self.module.named_parameters()]
+        per_rank = [row.tolist() for row in every_sum]
+        first_diff = next(
+            (names[i] for i in range(len(names)) if any(per_rank[r][i] != per_rank[reference][i] for r in drifted)),
+            "?",
+        )
+        to_global = lambda rank: dist.get_global_rank(self._group, rank)  # noqa: E731
+        raise ParameterDriftError(
+            f"gradcomm.DistributedDataParallel(check_parameters_every={self.check_parameters_every}): after "
+            f"{step} synchronised steps the parameters of rank(s) {[to_global(r) for r in drifted]} differ "
+            f"from rank {to_global(reference)}'s (first differing parameter: {first_diff!r}). Replicas must "
+            "stay identical; something changed parameters on some ranks only (an update outside the DDP, a "
+            "rank-dependent re-initialisation, a hook that does not average, a non-deterministic kernel). "
+            "Fix the cause and resume from the last checkpoint."
+        )
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -175,8 +423,15 @@ class DistributedDataParallel(nn.Module):
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Register ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]`` to reduce every bucket.
 
-        Once per DDP, before the first backward. The bucket holds the local, undivided gradients; the future
+        Once per DDP, before the first forward. The bucket holds the local, undivided gradients; the future
         must complete with a tensor of the bucket buffer's shape and dtype, which becomes the gradients.
+
+        This is a collective: every rank must call it, with the same hook and options. The ranks compare
+        the hook's qualified name, its state's plain options (numbers, strings, flags; not tensors), the
+        bucket layout and the DDP options that add collectives, and all raise
+        :class:`~gradcomm.agreement.RanksDisagreeError`, naming what differs on which ranks, if they
+        disagree. A state that holds rank-specific plain values can define ``comm_hook_fingerprint() ->
+        str`` to say what must agree.
         """
         self.reducer.register_comm_hook(state, hook)
 

@@ -4,6 +4,9 @@
 iteration, and its future must complete with a tensor of the bucket buffer's shape and dtype. These
 functions check a hook when it is registered and its future when it completes, and turn every violation
 into one error naming the hook, the bucket and what was expected.
+
+A hook that raises, or whose future fails for a reason of its own, gives :class:`CommHookError` with the
+original exception chained; a failure caused by a lost peer gives :class:`~gradcomm.faults.PeerLostError`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any, get_args, get_origin
 import torch
 import torch.distributed as dist
 
+from .faults import is_communication_failure, lost_contact, rank_and_step
 from .grad_bucket import GradBucket
 
 __all__ = ["DEFAULT_HOOK_NAME", "CommHookError", "call_hook", "check_hook", "hook_name", "hook_result"]
@@ -74,14 +78,23 @@ def check_hook(hook: Any) -> None:
         )
 
 
-def call_hook(hook: CommHook, state: Any, bucket: GradBucket) -> torch.futures.Future:
-    """Run ``hook`` on ``bucket``; its exception or a non-future result becomes a clear error."""
+def call_hook(
+    hook: CommHook, state: Any, bucket: GradBucket, step: int | None = None, group: Any = None
+) -> torch.futures.Future:
+    """Run ``hook`` on ``bucket``; its exception or a non-future result becomes a clear error.
+
+    An exception that is a communication failure (a collective the hook launched found its peer gone)
+    becomes :class:`PeerLostError`; any other becomes :class:`CommHookError`, chained to the original.
+    """
     try:
         future = hook(state, bucket)
     except Exception as exc:
+        if is_communication_failure(exc):
+            raise lost_contact(exc, step, f"bucket {bucket.index()} (hook: {hook_name(hook)})", group) from exc
         raise CommHookError(
             f"Communication hook {hook_name(hook)} raised on bucket {bucket.index()} "
-            f"({bucket.buffer().numel()} elements): {type(exc).__name__}: {exc}"
+            f"({bucket.buffer().numel()} elements): {type(exc).__name__}: {exc}{rank_and_step(step)}; "
+            "the hook's traceback is chained below"
         ) from exc
     if not isinstance(future, torch._C.Future):
         raise TypeError(
@@ -91,14 +104,28 @@ def call_hook(hook: CommHook, state: Any, bucket: GradBucket) -> torch.futures.F
     return future
 
 
-def hook_result(name: str, future: torch.futures.Future, index: int, expected: torch.Tensor) -> torch.Tensor:
-    """Wait for the future of hook ``name`` and check that its value can replace the bucket ``expected``."""
+def hook_result(
+    name: str,
+    future: torch.futures.Future,
+    index: int,
+    expected: torch.Tensor,
+    step: int | None = None,
+    group: Any = None,
+) -> torch.Tensor:
+    """Wait for the future of hook ``name`` and check that its value can replace the bucket ``expected``.
+
+    The wait ends at the latest when the process group's timeout passes: every collective behind the
+    future then fails, and so does the future. A communication failure becomes :class:`PeerLostError`,
+    naming ``step`` and the bucket; any other failure :class:`CommHookError`.
+    """
     try:
         value = future.wait()
     except Exception as exc:
+        if is_communication_failure(exc):
+            raise lost_contact(exc, step, f"bucket {index} (hook: {name})", group) from exc
         raise CommHookError(
             f"Communication hook {name}: the future it returned for bucket {index} failed: "
-            f"{type(exc).__name__}: {exc}"
+            f"{type(exc).__name__}: {exc}{rank_and_step(step)}"
         ) from exc
     if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], torch.Tensor):
         value = value[0]  # torch's collectives' futures hold a one-element list
@@ -134,3 +161,6 @@ def _is_future_type(annotation: Any) -> bool:
 
 def _describe(annotation: Any) -> str:
     return annotation if isinstance(annotation, str) else getattr(annotation, "__qualname__", repr(annotation))
+
+
+# -- the same setup on every rank -------------------------------------------------------------------------

@@ -7,6 +7,11 @@ gradients into a flat buffer of at most ``buffer_size`` elements at a time and r
 
 Beyond fairseq's, it accepts ``register_comm_hook(state, hook)``: each buffer is then handed to the hook as
 a :class:`~gradcomm.GradBucket`, exactly as the overlapping DDP hands its buckets.
+
+Failures behave as in the overlapping DDP: ``register_comm_hook`` (or the first ``all_reduce()``) is a
+collective that compares hook, options and buffer size across the ranks; a lost peer raises
+:class:`~gradcomm.faults.PeerLostError` naming the reduction and the buffer, within the process
+group's timeout; after a failed ``all_reduce()`` the DDP refuses further reductions.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from . import comm
+from .agreement import check_same_on_all_ranks, describe_hook, describe_state
+from .faults import reporting_lost_peers
 from .grad_bucket import GradBucket
 from .hook_contract import DEFAULT_HOOK_NAME, CommHook, call_hook, check_hook, hook_name, hook_result
 from .telemetry import CommStats
@@ -55,6 +62,8 @@ class LegacyDistributedDataParallel(nn.Module):
         self._reductions = 0
         self._stats = CommStats(hook_name=DEFAULT_HOOK_NAME)
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._setup_checked = False
+        self._failure: str | None = None
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -70,7 +79,11 @@ class LegacyDistributedDataParallel(nn.Module):
         return self.module(*inputs, **kwargs)
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
-        """Reduce each buffer with ``hook(state, bucket)`` instead of the averaging allreduce (once, before use)."""
+        """Reduce each buffer with ``hook(state, bucket)`` instead of the averaging allreduce (once, before use).
+
+        A collective: every rank must call it with the same hook and options; the ranks compare them and all
+        raise :class:`~gradcomm.agreement.RanksDisagreeError` if they differ.
+        """
         check_hook(hook)
         if self._hook is not None:
             raise RuntimeError(
@@ -82,8 +95,20 @@ class LegacyDistributedDataParallel(nn.Module):
                 f"register_comm_hook({hook_name(hook)}) must be called before the first all_reduce(); "
                 f"{self._reductions} already ran"
             )
+        self._check_same_setup(hook, state)
         self._hook, self._hook_state = hook, state
         self._stats.hook_name = hook_name(hook)
+
+    def _check_same_setup(self, hook: CommHook | None, state: Any) -> None:
+        fingerprint = {
+            "hook": describe_hook(hook),
+            "hook options": describe_state(state) if hook is not None else "-",
+            "buffer_size": repr(self.buffer_size),
+            "world_size": repr(self.world_size),
+        }
+        with reporting_lost_peers(None, "comparing the ranks' hooks", self.process_group):
+            check_same_on_all_ranks(fingerprint, self.process_group, "gradcomm.LegacyDistributedDataParallel")
+        self._setup_checked = True
 
     def comm_stats(self) -> CommStats:
         """This DDP's communication statistics on this rank (see :mod:`gradcomm.telemetry`)."""
@@ -93,10 +118,23 @@ class LegacyDistributedDataParallel(nn.Module):
         """Average the gradients over the ranks; call after ``backward()`` (a no-op inside ``no_sync()``)."""
         if self.accumulate_grads:
             return
-        chunks = self._chunks()
-        self._stats.begin_step()
-        for index, params in enumerate(chunks):
-            self._reduce(index, params, is_last=index == len(chunks) - 1)
+        if self._failure is not None:
+            raise RuntimeError(
+                f"LegacyDistributedDataParallel: an earlier all_reduce() failed on this rank ({self._failure}); "
+                "the ranks' collectives may no longer match, so it does not continue. Restart the job and "
+                "resume from the last checkpoint."
+            )
+        try:
+            if not self._setup_checked:
+                self._check_same_setup(self._hook, self._hook_state)
+            chunks = self._chunks()
+            self._stats.begin_step()
+            for index, params in enumerate(chunks):
+                self._reduce(index, params, is_last=index == len(chunks) - 1)
+        except BaseException as exc:
+            lines = str(exc).strip().splitlines()
+            self._failure = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+            raise
         self._stats.end_step()
         self._reductions += 1
 
@@ -146,13 +184,16 @@ class LegacyDistributedDataParallel(nn.Module):
             buffer.div_(self.world_size)
         self._stats.add_bucket(buffer.numel() * buffer.element_size())
         self._stats.remember_input(index, buffer, averaged=self._hook is None)
+        step, group = self._reductions, self.process_group
         with self._stats.timing_hook():
             if self._hook is None:
-                future = comm.all_reduce(buffer, self.process_group)
+                with reporting_lost_peers(step, f"bucket {index} (hook: {DEFAULT_HOOK_NAME})", group):
+                    future = comm.all_reduce(buffer, group)
             else:
                 bucket = GradBucket(index, buffer, offsets, lengths, [p.shape for p in params], params, is_last)
-                future = call_hook(self._hook, self._hook_state, bucket)
-        result = hook_result(self._stats.hook_name, future, index, buffer)
-        self._stats.compare_result(index, result, self.process_group)
+                future = call_hook(self._hook, self._hook_state, bucket, step, group)
+        result = hook_result(self._stats.hook_name, future, index, buffer, step, group)
+        with reporting_lost_peers(step, f"bucket {index} (telemetry)", group):
+            self._stats.compare_result(index, result, group)
         for param, offset, length in zip(params, offsets, lengths, strict=True):
             param.grad.copy_(result[offset : offset + length].view_as(param))

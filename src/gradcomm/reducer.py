@@ -13,6 +13,14 @@ Mechanism only; what a bucket's communication does is the hook's business. Per s
 
 After the first synchronised iteration the buckets are rebuilt once, in the order gradients actually became
 ready (rank 0's order, broadcast so all ranks agree), as torch's DDP does.
+
+Failures never hang and never leave a half-reduced step behind. Every wait ends when the process group's
+timeout passes (a collective that a peer never joins fails then); a failure is reported with the step and
+bucket (:class:`~gradcomm.faults.PeerLostError` when a peer was lost,
+:class:`~gradcomm.hook_contract.CommHookError` when the hook failed), and the reducer then refuses further
+synchronised steps, since its collectives may no longer match its peers'. A rank that has run out of inputs
+under ``DistributedDataParallel.join()`` calls :meth:`Reducer.shadow_backward` instead of backward: the hook
+runs on zero buckets, in bucket order, so its collectives match the other ranks'.
 """
 
 from __future__ import annotations
@@ -27,7 +35,9 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from . import comm
+from .agreement import check_same_on_all_ranks, describe_hook, describe_state
 from .bucketing import assign_buckets, bucket_size_limits
+from .faults import NonFiniteGradientError, PeerLostError, reporting_lost_peers
 from .grad_bucket import GradBucket
 from .hook_contract import DEFAULT_HOOK_NAME, CommHook, call_hook, check_hook, hook_name, hook_result
 from .telemetry import CommStats
@@ -55,9 +65,18 @@ class _Bucket:
             for offset, length, shape in zip(self.offsets, self.lengths, self.shapes, strict=True)
         ]
 
-    def grad_bucket(self) -> GradBucket:
-        """A fresh hook-facing view of this bucket (``set_buffer`` on it must not outlive the iteration)."""
-        return GradBucket(self.index, self.buffer, self.offsets, self.lengths, self.shapes, self.params, self.is_last)
+    def grad_bucket(self, buffer: torch.Tensor | None = None) -> GradBucket:
+        """A fresh hook-facing view of this bucket (``set_buffer`` on it must not outlive the iteration);
+        ``buffer`` replaces the bucket's own (a zero bucket for a joined rank's shadow step)."""
+        return GradBucket(
+            self.index,
+            self.buffer if buffer is None else buffer,
+            self.offsets,
+            self.lengths,
+            self.shapes,
+            self.params,
+            self.is_last,
+        )
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -107,14 +126,23 @@ class Reducer:
         bucket_cap_mb: float | None,
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
+        check_finite: bool = False,
+        settings: dict[str, str] | None = None,
     ) -> None:
         self._params = list(params)
         self._names = list(names)
         self._group = process_group
         self._world_size = dist.get_world_size(process_group)
+        self._bucket_cap_mb = bucket_cap_mb
         self._first_limit, self._limit = bucket_size_limits(bucket_cap_mb)
         self._find_unused = find_unused_parameters
         self._as_view = gradient_as_bucket_view
+        self._check_finite = check_finite
+        # what every rank must agree on besides the hook and the buckets (the DDP's options that add collectives)
+        self._settings = dict(settings or {})
+        self._grad_scale = 1.0 / self._world_size  # the default reduction's divisor (join() may change it)
+        self._failure: str | None = None  # set when a synchronised step failed: no further steps
+        self._setup_checked = False  # whether the ranks have compared hooks and bucket layouts
         self._hook: CommHook | None = None
         self._hook_state: Any = None
         self._hook_name = DEFAULT_HOOK_NAME
@@ -139,24 +167,53 @@ class Reducer:
     def bucket_count(self) -> int:
         return len(self._buckets)
 
+    @property
+    def synchronised_steps(self) -> int:
+        """Synchronised steps completed (shadow steps of a joined rank included); the step numbers in errors
+        count from 0, so step ``n`` is the one after ``n`` completed steps."""
+        return self._synced_backwards
+
     def bucket_parameter_names(self) -> list[list[str]]:
         """The parameter names in each bucket, in bucket order."""
         return [[self._names[i] for i in bucket.param_indices] for bucket in self._buckets]
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Register ``hook``; a collective: every rank must register, and the same hook with the same options.
+
+        The ranks compare the hook's qualified name, its state's plain options and the bucket layout in one
+        ``all_gather_object`` and all raise :class:`~gradcomm.agreement.RanksDisagreeError` if they differ.
+        """
         check_hook(hook)
         if self._hook is not None:
             raise RuntimeError(
                 f"register_comm_hook can only be called once: hook {self._hook_name} is already registered, "
                 f"so {hook_name(hook)} cannot be. Combine them into one hook, or build a new DDP."
             )
-        if self._synced_backwards or self._armed and self._callback_queued:
+        if self._synced_backwards or self._armed and self._callback_queued or self._setup_checked:
             raise RuntimeError(
-                f"register_comm_hook({hook_name(hook)}) must be called before the first backward; "
+                f"register_comm_hook({hook_name(hook)}) must be called before the first backward, and before "
+                "the first synchronised forward (where the ranks compare their setup); "
                 f"{self._synced_backwards} synchronised backward pass(es) already ran with {self._hook_name}"
             )
+        self._check_same_setup(hook, state)
         self._hook, self._hook_state, self._hook_name = hook, state, hook_name(hook)
         self.stats.hook_name = self._hook_name
+
+    def _check_same_setup(self, hook: CommHook | None, state: Any) -> None:
+        """Compare hook, hook options, bucket layout and the DDP's settings across the ranks (a collective)."""
+        sizes = [bucket.buffer.numel() for bucket in self._buckets]
+        dtypes = sorted({str(bucket.buffer.dtype) for bucket in self._buckets})
+        fingerprint = {
+            "hook": describe_hook(hook),
+            "hook options": describe_state(state) if hook is not None else "-",
+            "bucket layout": f"{len(sizes)} bucket(s) of {sizes} elements ({', '.join(dtypes)})",
+            "bucket_cap_mb": repr(self._bucket_cap_mb),
+            "find_unused_parameters": repr(self._find_unused),
+            **self._settings,
+        }
+        with reporting_lost_peers(None, "comparing the ranks' hooks and bucket layouts", self._group):
+            check_same_on_all_ranks(fingerprint, self._group, "gradcomm.DistributedDataParallel")
+        self._setup_checked = True
 
     def bucket_layout(self) -> dict[str, Any]:
         """The bucket layout as plain values, for checkpoints: the parameter order the buckets are (or, after
@@ -181,8 +238,30 @@ class Reducer:
             self._rebuild_buckets(list(layout["order"]), broadcast=False)
             self._rebuild_done, self._rebuild_order, self._ready_order = True, None, []
 
-    def prepare_for_forward(self) -> None:
-        """Called before a forward whose backward will synchronise: report trouble, rebuild buckets."""
+    def check_usable(self) -> None:
+        """Raise if an earlier synchronised step failed on this rank: the ranks may be out of step."""
+        if self._failure is not None:
+            raise RuntimeError(
+                f"gradcomm.DistributedDataParallel: an earlier synchronised step failed on this rank "
+                f"({self._failure}). Its collectives may no longer match the other ranks', so this DDP does "
+                "not continue (that could mix gradients of different steps). Restart the job, or build a new "
+                "process group and DDP, and resume from the last checkpoint."
+            )
+
+    def _fail(self, exc: BaseException) -> None:
+        text = str(exc).strip().splitlines()
+        self._failure = f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+        self._armed = False
+
+    def set_active_ranks(self, count: int | None) -> None:
+        """Average the default reduction over ``count`` ranks (``None``: all), for ``join()`` with
+        ``divide_by_initial_world_size=False``. A registered hook divides as it does itself."""
+        self._grad_scale = 1.0 / (count or self._world_size)
+
+    def prepare_for_forward(self, source_rank: int = 0) -> None:
+        """Called before a forward whose backward will synchronise: report trouble, compare the ranks' setup
+        (once), rebuild buckets (once, broadcasting group rank ``source_rank``'s order)."""
+        self.check_usable()
         if self._unfinished:
             names, self._unfinished = self._unfinished, []
             shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
@@ -193,8 +272,11 @@ class Reducer:
                 "in forward on purpose, pass find_unused_parameters=True; if they are not trained, set "
                 "requires_grad=False on them before wrapping the model."
             )
+        if not self._setup_checked:
+            self._check_same_setup(self._hook, self._hook_state)
         if self._rebuild_order is not None:
-            self._rebuild_buckets(self._rebuild_order)
+            with reporting_lost_peers(self._synced_backwards, "rebuilding buckets", self._group):
+                self._rebuild_buckets(self._rebuild_order, source_rank=source_rank)
             self._rebuild_order = None
 
     def prepare_for_backward(self, outputs: Any) -> None:
@@ -221,10 +303,11 @@ class Reducer:
             for index, view in zip(bucket.param_indices, bucket.views, strict=True):
                 self._location[index] = (bucket, view)
 
-    def _rebuild_buckets(self, ready_order: list[int], broadcast: bool = True) -> None:
+    def _rebuild_buckets(self, ready_order: list[int], broadcast: bool = True, source_rank: int = 0) -> None:
         order = torch.tensor(ready_order, dtype=torch.int64)
-        if broadcast:  # rank 0's order, so that every rank has the same buckets
-            dist.broadcast(order, src=dist.get_global_rank(self._group or dist.group.WORLD, 0), group=self._group)
+        if broadcast:  # one rank's order (rank 0's), so that every rank has the same buckets
+            src = dist.get_global_rank(self._group or dist.group.WORLD, source_rank)
+            dist.broadcast(order, src=src, group=self._group)
         old_grads = [p.grad for p in self._params] if self._as_view else []
         self._build_buckets(order.tolist())
         for index, grad in enumerate(old_grads):
@@ -275,7 +358,7 @@ class Reducer:
             if not _same_tensor(grad, view):
                 view.copy_(grad)
         else:
-            torch.mul(grad, 1.0 / self._world_size, out=view)  # as torch: pre-divide, then sum
+            torch.mul(grad, self._grad_scale, out=view)  # as torch: pre-divide, then sum
         if self._as_view and grad is not None and not _same_tensor(grad, view):
             param.grad = view
         self._pending[bucket.index] -= 1
@@ -283,49 +366,124 @@ class Reducer:
             self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
-        while self._next_bucket < len(self._buckets) and self._pending[self._next_bucket] == 0:
-            bucket = self._buckets[self._next_bucket]
-            if bucket.index == 0:
-                self.stats.begin_step()
-            self.stats.add_bucket(bucket.buffer.numel() * bucket.buffer.element_size())
-            self.stats.remember_input(bucket.index, bucket.buffer, averaged=self._hook is None)
-            with self.stats.timing_hook():
-                if self._hook is None:
-                    self._futures[bucket.index] = comm.all_reduce(bucket.buffer, self._group)
-                else:
-                    self._futures[bucket.index] = call_hook(self._hook, self._hook_state, bucket.grad_bucket())
-            self._next_bucket += 1
+        try:
+            while self._next_bucket < len(self._buckets) and self._pending[self._next_bucket] == 0:
+                bucket = self._buckets[self._next_bucket]
+                if self._check_finite:
+                    self._check_bucket_finite(bucket)
+                if bucket.index == 0:
+                    self.stats.begin_step()
+                self.stats.add_bucket(bucket.buffer.numel() * bucket.buffer.element_size())
+                self.stats.remember_input(bucket.index, bucket.buffer, averaged=self._hook is None)
+                with self.stats.timing_hook():
+                    self._futures[bucket.index] = self._launch(bucket, bucket.grad_bucket())
+                self._next_bucket += 1
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def _launch(self, bucket: _Bucket, grad_bucket: GradBucket) -> torch.futures.Future:
+        """Start the hook (or the default allreduce) on ``grad_bucket``; failures name the step and bucket."""
+        step = self._synced_backwards
+        if self._hook is not None:
+            return call_hook(self._hook, self._hook_state, grad_bucket, step, self._group)
+        with reporting_lost_peers(step, f"bucket {bucket.index} (hook: {self._hook_name})", self._group):
+            return comm.all_reduce(grad_bucket.buffer(), self._group)
+
+    def _check_bucket_finite(self, bucket: _Bucket) -> None:
+        """``check_finite``: raise before ``bucket`` is sent if it holds NaN or infinity, naming the parameter."""
+        if bool(torch.isfinite(bucket.buffer).all()):
+            return
+        offending = []
+        for index, view in sorted(zip(bucket.param_indices, bucket.views, strict=True), key=lambda item: item[0]):
+            finite = torch.isfinite(view)
+            if not bool(finite.all()):
+                nans = int(torch.isnan(view).sum())
+                offending.append((self._names[index], nans, int((~finite).sum()) - nans, view.numel()))
+        name, nans, infs, numel = offending[0]
+        others = [item[0] for item in offending[1:]]
+        also = f" (also non-finite in this bucket: {', '.join(others[:5])}{' ...' if len(others) > 5 else ''})"
+        rank = dist.get_rank()
+        raise NonFiniteGradientError(
+            f"gradcomm.DistributedDataParallel(check_finite=True): rank {rank} has a non-finite gradient for "
+            f"parameter {name!r} ({nans} NaN and {infs} infinite of {numel} values) in step "
+            f"{self._synced_backwards}{also if others else ''}. Its bucket {bucket.index} was not sent; the "
+            "other ranks fail with a lost-contact error when the process group's timeout passes. Find the "
+            f"cause on rank {rank} (learning rate, loss scale, an input holding NaN) and resume from the last "
+            "checkpoint."
+        )
 
     def _finalize(self) -> None:
         """Autograd-engine callback at the end of backward: wait for the buckets and write ``.grad``."""
         self._armed = False
+        step = self._synced_backwards
+        peer_lost = False
         try:
             if self._next_bucket < len(self._buckets):
                 self._unfinished = [self._names[i] for i in range(len(self._params)) if not self._ready[i]]
                 return
             results = [
-                hook_result(self._hook_name, future, bucket.index, bucket.buffer)
+                hook_result(self._hook_name, future, bucket.index, bucket.buffer, step, self._group)
                 for bucket, future in zip(self._buckets, self._futures, strict=True)
             ]
             globally_used = None
-            if self._locally_used is not None:
-                # Only now: a hook may launch collectives from its futures' callbacks, and this one must not
-                # interleave with them differently on different ranks.
-                dist.all_reduce(self._locally_used, group=self._group)
-                globally_used = self._locally_used.tolist()
-            for bucket, result in zip(self._buckets, results, strict=True):
-                self.stats.compare_result(bucket.index, result, self._group)
-                if not _same_tensor(result, bucket.buffer):
-                    bucket.buffer.copy_(result)
-                self._write_gradients(bucket, globally_used)
+            with reporting_lost_peers(step, "after the last bucket (used-parameter map, telemetry)", self._group):
+                if self._locally_used is not None:
+                    # Only now: a hook may launch collectives from its futures' callbacks, and this one must not
+                    # interleave with them differently on different ranks.
+                    dist.all_reduce(self._locally_used, group=self._group)
+                    globally_used = self._locally_used.tolist()
+                for bucket, result in zip(self._buckets, results, strict=True):
+                    self.stats.compare_result(bucket.index, result, self._group)
+                    if not _same_tensor(result, bucket.buffer):
+                        bucket.buffer.copy_(result)
+                    self._write_gradients(bucket, globally_used)
             self.stats.end_step()
             self._synced_backwards += 1
             if not self._rebuild_done:
                 self._rebuild_done = True
                 self._rebuild_order = self._ready_order
+        except BaseException as exc:
+            peer_lost = isinstance(exc, PeerLostError)
+            self._fail(exc)
+            raise
         finally:
-            self._drain_futures()
+            if not peer_lost:  # after a lost peer the remaining collectives can only time out one by one
+                self._drain_futures()
             self._futures = [None] * len(self._buckets)
+
+    def shadow_backward(self) -> None:
+        """A joined rank's part in a step it has no input for: the hook on zero buckets, in bucket order.
+
+        Issues exactly the collectives a real backward issues (each bucket's hook, then the used-parameter
+        map and the telemetry's error pass if enabled), so that the ranks still training are matched; the
+        results are dropped, ``.grad`` is left alone. Counts as a synchronised step.
+        """
+        self.check_usable()
+        step = self._synced_backwards
+        try:
+            futures = []
+            for bucket in self._buckets:
+                zeros = torch.zeros_like(bucket.buffer)
+                futures.append((bucket, zeros, self._launch(bucket, bucket.grad_bucket(zeros))))
+            results = [
+                hook_result(self._hook_name, future, bucket.index, zeros, step, self._group)
+                for bucket, zeros, future in futures
+            ]
+            with reporting_lost_peers(step, "after the last bucket (used-parameter map, telemetry)", self._group):
+                if self._find_unused:
+                    dist.all_reduce(torch.zeros(len(self._params), dtype=torch.int32), group=self._group)
+                if self.stats.measure_error:
+                    for result in results:
+                        dist.all_reduce(torch.zeros_like(result), group=self._group)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self._synced_backwards += 1
+        if not self._rebuild_done:
+            # Rebuild with the others at the next step; a training rank's order is broadcast to this one.
+            self._rebuild_done = True
+            self._rebuild_order = list(self._layout_order)
 
     def _write_gradients(self, bucket: _Bucket, globally_used: list[int] | None) -> None:
         for index, param, view in zip(bucket.param_indices, bucket.params, bucket.views, strict=True):

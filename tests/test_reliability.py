@@ -1,0 +1,565 @@
+"""Reliability: dead ranks, failing hooks, disagreeing ranks, uneven inputs and non-finite values never hang
+and never corrupt.
+
+One spawned group of two ranks runs every check that leaves the processes alive; each fault that breaks a
+process group (a hook raising on rank 1 only, a future failing on rank 1 only, a NaN on rank 1) runs on a
+fresh gloo subgroup with a 3-second timeout, so the rank left waiting fails within seconds and the next
+check starts on a healthy group. A second spawned group has a rank killed with SIGKILL. Messages and
+timings are collected in the ranks and asserted here, in the parent.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import re
+import signal
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradcomm
+from gradcomm.grad_bucket import GradBucket
+from gradcomm.hooks import default_hooks, powerSGD_hook
+from gradcomm.hooks.registry import hook_names, make_comm_hook
+from gradcomm.testing import RankError, run_on_ranks
+
+FAULT_TIMEOUT = 3.0  # seconds: the timeout of the subgroup each fault runs on
+SLACK = 6.0  # seconds a rank may take beyond the timeout to report (a loaded two-core machine)
+
+
+# -- models, batches, helpers -----------------------------------------------------------------------------
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _bn_model() -> nn.Module:
+    """Several buckets' worth of matrices (PowerSGD compresses them) and BatchNorm buffers to broadcast."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)
+    )
+
+
+def _batch(step: int, inputs: int = 8, outputs: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * dist.get_rank() + step)
+    return torch.randn(6, inputs, generator=g), torch.randn(6, outputs, generator=g)
+
+
+def _train_step(ddp: nn.Module, step: int, optimizer: torch.optim.Optimizer | None = None, inputs: int = 8) -> None:
+    x, y = _batch(step, inputs)
+    if optimizer is not None:
+        optimizer.zero_grad()
+    nn.functional.mse_loss(ddp(x), y).backward()
+    if optimizer is not None:
+        optimizer.step()
+
+
+def _error(fn: Any) -> str:
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def _fault_group() -> dist.ProcessGroup:
+    """A fresh gloo group with a short timeout; the barrier waits until the previous fault has ended on
+    every rank (the default group's timeout is long)."""
+    dist.barrier()
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=FAULT_TIMEOUT))
+
+
+def _first_failure(ddp: nn.Module, steps: int, **kwargs: Any) -> dict[str, Any]:
+    """Train until the first error; its message, full traceback, step and how long the failing step took."""
+    for step in range(steps):
+        start = time.monotonic()
+        try:
+            _train_step(ddp, step, **kwargs)
+        except Exception as exc:
+            return {
+                "message": f"{type(exc).__name__}: {exc}",
+                "traceback": "".join(traceback.format_exception(exc)),
+                "step": step,
+                "seconds": time.monotonic() - start,
+                "next_forward": _error(lambda step=step: _train_step(ddp, step + 1, **kwargs)),
+            }
+    return {"message": "no error", "step": None, "seconds": 0.0}
+
+
+def _checksum(module: nn.Module) -> list[float]:
+    return [t.detach().double().sum().item() for t in [*module.parameters(), *module.buffers()] if t.is_floating_point()]
+
+
+def _same_on_all_ranks(values: list[float]) -> bool:
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, values)
+    return all(g == gathered[0] for g in gathered)
+
+
+# -- hooks for the faults -----------------------------------------------------------------------------------
+def raise_on_rank_one_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    if dist.get_rank() == 1 and bucket.index() == 1:
+        raise KeyError("no compression table on rank 1")
+    return default_hooks.allreduce_hook(group, bucket)
+
+
+def failing_future_on_rank_one_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def decode(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        value = fut.value()
+        if dist.get_rank() == 1:
+            raise ValueError("cannot decode on rank 1")
+        return value
+
+    return default_hooks.allreduce_hook(group, bucket).then(decode)
+
+
+# -- the checks ------------------------------------------------------------------------------------------
+def _faults() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    group = _fault_group()
+    ddp = gradcomm.DistributedDataParallel(_mlp(), process_group=group, bucket_cap_mb=0.001)
+    ddp.register_comm_hook(group, raise_on_rank_one_hook)
+    out["buckets"] = ddp.reducer.bucket_count
+    out["hook_raises"] = _first_failure(ddp, 3)
+
+    group = _fault_group()
+    ddp = gradcomm.DistributedDataParallel(_mlp(), process_group=group, bucket_cap_mb=0.001)
+    ddp.register_comm_hook(group, failing_future_on_rank_one_hook)
+    out["future_fails"] = _first_failure(ddp, 3)
+
+    group = _fault_group()
+    ddp = gradcomm.DistributedDataParallel(_mlp(), process_group=group, bucket_cap_mb=0.001, check_finite=True)
+    if dist.get_rank() == 1:
+        weight = ddp.module[2].weight
+        weight.register_hook(lambda grad: grad.clone().fill_(math.nan) if ddp.synchronised_steps == 1 else grad)
+    out["nan"] = _first_failure(ddp, 3)
+    return out
+
+
+def _disagreements() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    rank = dist.get_rank()
+    hooks = [default_hooks.allreduce_hook, default_hooks.fp16_compress_hook]
+    ddp = gradcomm.DistributedDataParallel(_mlp())
+    out["different_hooks"] = _error(lambda: ddp.register_comm_hook(None, hooks[rank]))
+
+    ddp = gradcomm.DistributedDataParallel(_mlp(), bucket_cap_mb=[0.0001, 25][rank])
+    out["different_buckets"] = _error(lambda: ddp.register_comm_hook(None, default_hooks.allreduce_hook))
+    ddp = gradcomm.DistributedDataParallel(_mlp(), bucket_cap_mb=[0.0001, 25][rank])
+    out["different_buckets_no_hook"] = _error(lambda: _train_step(ddp, 0))
+
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank + 1)
+    ddp = gradcomm.DistributedDataParallel(_mlp())
+    out["different_options"] = _error(lambda: ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook))
+
+    wrapped = default_hooks.fp16_compress_wrapper([default_hooks.allreduce_hook, powerSGD_hook.powerSGD_hook][rank])
+    state = powerSGD_hook.PowerSGDState(process_group=None)
+    ddp = gradcomm.DistributedDataParallel(_mlp())
+    out["different_wrapped"] = _error(lambda: ddp.register_comm_hook(state, wrapped))
+
+    ddp = gradcomm.DistributedDataParallel(_mlp())
+    if rank == 0:
+        out["hook_on_rank_0_only"] = _error(lambda: ddp.register_comm_hook(None, default_hooks.allreduce_hook))
+    else:
+        out["hook_on_rank_0_only"] = _error(lambda: _train_step(ddp, 0))
+
+    ddp = gradcomm.DistributedDataParallel(_mlp(), check_parameters_every=[0, 5][rank])
+    out["different_ddp_options"] = _error(lambda: _train_step(ddp, 0))
+
+    legacy = gradcomm.LegacyDistributedDataParallel(_mlp(), world_size=2)
+    out["legacy_different_hooks"] = _error(lambda: legacy.register_comm_hook(None, hooks[rank]))
+
+    # agreeing ranks still train, and the group is healthy after all of the above
+    ddp = gradcomm.DistributedDataParallel(_mlp())
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    _train_step(ddp, 0)
+    out["agreeing_ranks_train"] = True
+    return out
+
+
+JOIN_BATCHES = (3, 5)  # rank 0, rank 1
+JOIN_HOOKS = ["(none)", *hook_names()]
+# more setups under join(): (hook, batches per rank, DDP options)
+JOIN_VARIANTS: dict[str, tuple[str, tuple[int, int], dict[str, Any]]] = {
+    "find_unused_parameters": ("(none)", JOIN_BATCHES, {"find_unused_parameters": True}),
+    "gradient_as_bucket_view": ("fp16_compress", JOIN_BATCHES, {"gradient_as_bucket_view": True}),
+    "powersgd, rank 0 has no batch": ("powersgd", (0, 4), {}),
+    "allreduce, rank 1 has fewer": ("allreduce", (5, 2), {}),
+}
+DRIFTING_HOOKS = {"noop", "post_localsgd"}  # replicas differ by design until join() syncs them at the end
+JOIN_OPTIONS: dict[str, dict[str, Any]] = {
+    "powersgd": {"start_powerSGD_iter": 2, "matrix_approximation_rank": 1},
+    "powersgd_rank2": {"start_powerSGD_iter": 2},
+    "batched_powersgd": {"start_powerSGD_iter": 2},
+    "batched_powersgd_rank2": {"start_powerSGD_iter": 2},
+    "post_localsgd": {"start_localSGD_iter": 2},
+    "topk": {"min_numel": 16},
+    "randomk": {"min_numel": 16},
+    "qsgd": {"min_numel": 16},
+    "terngrad": {"min_numel": 16},
+    "efsign": {"min_numel": 16},
+    "signsgd": {"min_numel": 16},
+    "bytegrad": {"min_numel": 16},
+    "onebit": {"min_numel": 16},
+}
+
+
+def _join_run(name: str, batches: int, **options: Any) -> dict[str, Any]:
+    # the drift check runs along: the joined rank's stale parameters must not count as drift
+    every = 0 if name in DRIFTING_HOOKS else 2
+    ddp = gradcomm.DistributedDataParallel(_bn_model(), bucket_cap_mb=0.01, check_parameters_every=every, **options)
+    if name != "(none)":
+        hook, state = make_comm_hook(name, **JOIN_OPTIONS.get(name, {}))
+        ddp.register_comm_hook(state, hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    losses = []
+    with ddp.join():
+        for step in range(batches):
+            x, y = _batch(step, inputs=16)
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    return {
+        "steps": ddp.synchronised_steps,
+        "identical": _same_on_all_ranks(_checksum(ddp.module)),
+        "finite": all(math.isfinite(v) for v in [*losses, *_checksum(ddp.module)]),
+        "buckets": ddp.reducer.bucket_count,
+    }
+
+
+def _join_divisor(divide_by_initial_world_size: bool) -> float:
+    """Rank 0 has one batch, rank 1 two: in rank 1's second step its gradient is averaged over 2 or 1 ranks."""
+    ddp = gradcomm.DistributedDataParallel(_mlp())
+    local = _mlp()
+    worst = 0.0
+    with ddp.join(divide_by_initial_world_size=divide_by_initial_world_size):
+        for step in range(dist.get_rank() + 1):
+            ddp.zero_grad()
+            _train_step(ddp, step)
+            if step == 1:
+                local.zero_grad()
+                x, y = _batch(step)
+                nn.functional.mse_loss(local(x), y).backward()
+                divisor = 2.0 if divide_by_initial_world_size else 1.0
+                worst = max(
+                    (p.grad - q.grad / divisor).abs().max().item()
+                    for p, q in zip(ddp.parameters(), local.parameters(), strict=True)
+                )
+    return worst
+
+
+def _uneven_inputs() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    batches = JOIN_BATCHES[dist.get_rank()]
+    out["join"] = {name: _join_run(name, batches) for name in JOIN_HOOKS}
+    out["join_variants"] = {
+        label: _join_run(name, counts[dist.get_rank()], **options)
+        for label, (name, counts, options) in JOIN_VARIANTS.items()
+    }
+    out["divisor_initial"] = _join_divisor(True)
+    out["divisor_active"] = _join_divisor(False)
+    ddp = gradcomm.DistributedDataParallel(_mlp())
+
+    def early() -> None:
+        with ddp.join(throw_on_early_termination=True):
+            for step in range(dist.get_rank() + 1):
+                _train_step(ddp, step)
+
+    out["throw_on_early_termination"] = _error(early)
+    return out
+
+
+def _drift() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ddp = gradcomm.DistributedDataParallel(_mlp(), check_parameters_every=1)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(4):
+        _train_step(ddp, step, optimizer)
+    out["no_drift"] = "no error"
+    ddp = gradcomm.DistributedDataParallel(_mlp(), check_parameters_every=2)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+    def drift() -> None:
+        for step in range(6):
+            _train_step(ddp, step, optimizer)
+            if step == 2 and dist.get_rank() == 1:
+                with torch.no_grad():
+                    ddp.module[2].weight[0, 0] += 1e-6
+
+    out["drift"] = _error(drift)
+    out["drift_step"] = ddp.synchronised_steps
+    return out
+
+
+# Gradients that must not become NaN or infinity in any hook.
+def _special_inputs() -> dict[str, torch.Tensor]:
+    numel = 64 * 32 + 32
+    rank_sign = 1.0 if dist.get_rank() == 0 else -1.0
+    return {
+        "zeros": torch.zeros(numel),
+        "constant": torch.full((numel,), 3.0),
+        "denormal": torch.full((numel,), 1e-40),
+        "huge": torch.full((numel,), 1e30),
+        "huge_mixed": torch.full((numel,), 1e30 * rank_sign),
+    }
+
+
+HOOK_OPTIONS: dict[str, dict[str, Any]] = {
+    "powersgd": {"start_powerSGD_iter": 2},
+    "powersgd_rank2": {"start_powerSGD_iter": 2},
+    "batched_powersgd": {"start_powerSGD_iter": 2},
+    "batched_powersgd_rank2": {"start_powerSGD_iter": 2},
+    "post_localsgd": {"start_localSGD_iter": 1},
+}
+HOOK_ITERATIONS = 4  # PowerSGD compresses from the third
+
+
+def _hook_numerics() -> dict[str, list[str]]:
+    """Every registry hook, a few iterations on each special input: which outputs were not finite."""
+    shapes = [torch.Size([64, 32]), torch.Size([32])]
+    params = [nn.Parameter(torch.zeros(shape)) for shape in shapes]
+    lengths = [shape.numel() for shape in shapes]
+    offsets = [0, lengths[0]]
+    bad: dict[str, list[str]] = {}
+    for name in hook_names():
+        for label, gradient in _special_inputs().items():
+            hook, state = make_comm_hook(name, **HOOK_OPTIONS.get(name, {}))
+            for iteration in range(HOOK_ITERATIONS):
+                bucket = GradBucket(0, gradient.clone(), offsets, lengths, shapes, params, True)
+                result = hook(state, bucket).wait()
+                result = result[0] if isinstance(result, list) else result
+                if not torch.isfinite(result).all():
+                    bad.setdefault(name, []).append(f"{label}@{iteration}")
+                    break
+    return bad
+
+
+def reliability_checks() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    timings: dict[str, float] = {}
+    for name, part in [
+        ("faults", _faults),
+        ("disagreements", _disagreements),
+        ("uneven", _uneven_inputs),
+        ("drift", _drift),
+        ("numerics", _hook_numerics),
+    ]:
+        start = time.monotonic()
+        out[name] = part()
+        timings[name] = time.monotonic() - start
+    out["timings"] = timings
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    return run_on_ranks(reliability_checks, 2, timeout=150, collective_timeout=30)
+
+
+# -- failing hooks ----------------------------------------------------------------------------------------
+@pytest.mark.timeout(180)
+def test_hook_raising_on_one_rank(ranks: list[dict[str, Any]]) -> None:
+    zero, one = ranks[0]["faults"]["hook_raises"], ranks[1]["faults"]["hook_raises"]
+    assert ranks[0]["faults"]["buckets"] >= 3
+    assert re.match(
+        r"CommHookError: Communication hook raise_on_rank_one_hook raised on bucket 1 \(\d+ elements\): KeyError: "
+        r"'no compression table on rank 1' \(rank 1, step 0\)",
+        one["message"],
+    ), one["message"]
+    # the original traceback is chained: the line that raised, inside the hook
+    assert 'raise KeyError("no compression table on rank 1")' in one["traceback"], one["traceback"]
+    assert re.match(
+        r"PeerLostError: rank 0 lost contact with its peers during step 0, bucket 1 \(hook: raise_on_rank_one_hook\): "
+        r"RuntimeError: .*Timed out",
+        zero["message"],
+    ), zero["message"]
+    assert "the process group's timeout (3 s)" in zero["message"]
+    assert FAULT_TIMEOUT - 0.5 <= zero["seconds"] <= FAULT_TIMEOUT + SLACK, zero["seconds"]
+    for side in (zero, one):  # no further step on a DDP whose ranks are out of step
+        assert "an earlier synchronised step failed on this rank" in side["next_forward"], side["next_forward"]
+
+
+@pytest.mark.timeout(180)
+def test_future_failing_on_one_rank(ranks: list[dict[str, Any]]) -> None:
+    zero, one = ranks[0]["faults"]["future_fails"], ranks[1]["faults"]["future_fails"]
+    assert one["step"] == 0 and re.match(
+        r"(?s)CommHookError: Communication hook failing_future_on_rank_one_hook: the future it returned for bucket 0 "
+        r"failed: RuntimeError: .*ValueError: cannot decode on rank 1.*decode.*\(rank 1, step 0\)",
+        one["message"],
+    ), one["message"]
+    assert "test_reliability.py" in one["message"], "the callback's traceback location is in the message"
+    # rank 0's step 0 completed (the collectives matched); step 1 starts with the one-time bucket rebuild,
+    # whose broadcast rank 1 never joins
+    assert zero["step"] == 1 and re.match(
+        r"PeerLostError: rank 0 lost contact with its peers during step 1, rebuilding buckets: RuntimeError: "
+        r".*Timed out",
+        zero["message"],
+    ), zero["message"]
+    assert zero["seconds"] <= FAULT_TIMEOUT + SLACK
+
+
+# -- non-finite gradients ---------------------------------------------------------------------------------
+@pytest.mark.timeout(180)
+def test_nan_gradient_is_caught_before_it_is_sent(ranks: list[dict[str, Any]]) -> None:
+    zero, one = ranks[0]["faults"]["nan"], ranks[1]["faults"]["nan"]
+    assert one["step"] == 1 and re.match(
+        r"NonFiniteGradientError: gradcomm.DistributedDataParallel\(check_finite=True\): rank 1 has a non-finite "
+        r"gradient for parameter '2.weight' \(512 NaN and 0 infinite of 512 values\) in step 1\.",
+        one["message"],
+    ), one["message"]
+    assert zero["step"] == 1 and zero["message"].startswith("PeerLostError: rank 0 lost contact with its peers "
+                                                             "during step 1, bucket"), zero["message"]
+    assert zero["seconds"] <= FAULT_TIMEOUT + SLACK
+
+
+@pytest.mark.timeout(180)
+def test_no_hook_turns_finite_gradients_into_nan_or_inf(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        assert rank["numerics"] == KNOWN_OVERFLOWS, rank["numerics"]
+
+
+# fp16 cannot hold magnitudes above 65504: an averaged 1e30 overflows to infinity (documented in
+# gradcomm.hooks.default_hooks, as in torch's hook). Everything else stays finite.
+KNOWN_OVERFLOWS: dict[str, list[str]] = {"fp16_compress": ["huge@0", "huge_mixed@0"]}
+
+
+# -- ranks that disagree ------------------------------------------------------------------------------------
+DISAGREEMENTS = {
+    "different_hooks": r"RanksDisagreeError: gradcomm.DistributedDataParallel: the ranks disagree .*\n"
+    r"  hook differs: rank 0: gradcomm.hooks.default_hooks.allreduce_hook; "
+    r"rank 1: gradcomm.hooks.default_hooks.fp16_compress_hook\n",
+    "different_buckets": r"(?s)RanksDisagreeError: .*bucket layout differs: rank 0: \d+ bucket\(s\) .*; rank 1: 1 "
+    r"bucket\(s\) of \[\d+\] elements .*bucket_cap_mb differs: rank 0: 0.0001; rank 1: 25",
+    "different_buckets_no_hook": r"(?s)RanksDisagreeError: .*bucket layout differs: rank 0: \d+ bucket\(s\)",
+    "different_options": r"(?s)hook options differs: rank 0: PowerSGDState\(.*matrix_approximation_rank=1.*\); "
+    r"rank 1: PowerSGDState\(.*matrix_approximation_rank=2",
+    "different_wrapped": r"hook differs: rank 0: gradcomm.hooks.default_hooks._compress_wrapper.<locals>."
+    r"compress_wrapper_hook\(dtype=torch.float16, hook=gradcomm.hooks.default_hooks.allreduce_hook\); rank 1: .*"
+    r"hook=gradcomm.hooks.powerSGD_hook.powerSGD_hook\)",
+    "hook_on_rank_0_only": r"hook differs: rank 0: gradcomm.hooks.default_hooks.allreduce_hook; rank 1: default "
+    r"allreduce \(no hook registered\)",
+    "different_ddp_options": r"check_parameters_every differs: rank 0: 0; rank 1: 5",
+    "legacy_different_hooks": r"RanksDisagreeError: gradcomm.LegacyDistributedDataParallel: .*\n  hook differs",
+}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", list(DISAGREEMENTS))
+def test_disagreeing_ranks_all_raise(ranks: list[dict[str, Any]], case: str) -> None:
+    for rank in ranks:  # the same error on every rank
+        message = rank["disagreements"][case]
+        assert re.search(DISAGREEMENTS[case], message), message
+        assert "Every rank must wrap the same model" in message
+    assert ranks[0]["disagreements"][case] == ranks[1]["disagreements"][case]
+    assert all(rank["disagreements"]["agreeing_ranks_train"] for rank in ranks)
+
+
+# -- uneven inputs ----------------------------------------------------------------------------------------
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("hook", JOIN_HOOKS)
+def test_join_with_uneven_inputs(ranks: list[dict[str, Any]], hook: str) -> None:
+    for rank in ranks:
+        run = rank["uneven"]["join"][hook]
+        assert run["steps"] == max(JOIN_BATCHES), run  # the joined rank shadowed the others' steps
+        assert run["identical"], f"{hook}: parameters or buffers differ across ranks after join()"
+        assert run["finite"], run
+        assert run["buckets"] >= 2, run
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("variant", list(JOIN_VARIANTS))
+def test_join_variants(ranks: list[dict[str, Any]], variant: str) -> None:
+    for rank in ranks:
+        run = rank["uneven"]["join_variants"][variant]
+        assert run["steps"] == max(JOIN_VARIANTS[variant][1]), run
+        assert run["identical"] and run["finite"], run
+
+
+@pytest.mark.timeout(180)
+def test_join_divisor_and_early_termination(ranks: list[dict[str, Any]]) -> None:
+    one = ranks[1]["uneven"]
+    assert one["divisor_initial"] <= 1e-6, one["divisor_initial"]  # joined ranks count as zeros: sum / 2
+    assert one["divisor_active"] <= 1e-6, one["divisor_active"]  # divided by the one active rank
+    for rank in ranks:
+        assert re.search(
+            r"join\(throw_on_early_termination=True\): rank\(s\) \[0\] ran out of inputs at step 1",
+            rank["uneven"]["throw_on_early_termination"],
+        ), rank["uneven"]["throw_on_early_termination"]
+
+
+# -- drift ----------------------------------------------------------------------------------------------
+@pytest.mark.timeout(180)
+def test_parameter_drift_is_detected(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        assert rank["drift"]["no_drift"] == "no error"
+        assert re.match(
+            r"ParameterDriftError: gradcomm.DistributedDataParallel\(check_parameters_every=2\): after 4 "
+            r"synchronised steps the parameters of rank\(s\) \[1\] differ from rank 0's \(first differing "
+            r"parameter: '2.weight'\)",
+            rank["drift"]["drift"],
+        ), rank["drift"]["drift"]
+
+
+@pytest.mark.timeout(180)
+def test_the_checks_are_quick(ranks: list[dict[str, Any]]) -> None:
+    timings = ranks[0]["timings"]
+    # three faults, each waiting out one 3-second timeout on one rank
+    assert timings["faults"] <= 3 * (FAULT_TIMEOUT + SLACK), timings
+
+
+# -- a rank killed with SIGKILL ----------------------------------------------------------------------------
+def killed_mid_training(kill_at: int) -> int:
+    ddp = gradcomm.DistributedDataParallel(_mlp(), bucket_cap_mb=0.001)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(kill_at + 100):
+        if step == kill_at and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        _train_step(ddp, step, optimizer)
+    return ddp.synchronised_steps
+
+
+def _rank_processes() -> set[int]:
+    """This process's live children that are multiprocessing ranks (not the resource tracker)."""
+    me = os.getpid()
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if int(stat[1]) == me and stat[0] != "Z" and "spawn_main" in cmdline:
+            found.add(int(entry.name))
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_killed_rank_fails_the_others_quickly_and_leaves_no_process() -> None:
+    before = _rank_processes()
+    start = time.monotonic()
+    with pytest.raises(RankError) as caught:
+        run_on_ranks(killed_mid_training, 2, args=(3,), timeout=90, collective_timeout=10)
+    elapsed = time.monotonic() - start
+    message = str(caught.value)
+    assert caught.value.rank == 1 and "rank 1 of 2 exited with code -9" in message, message
+    assert re.search(
+        r"rank 0: PeerLostError: rank 0 lost contact with its peers during step 3, bucket 0 \(hook: default "
+        r"allreduce \(no hook registered\)\): RuntimeError: .*Connection (closed|reset) by peer",
+        message,
+    ), message
+    assert elapsed < 60, elapsed  # the connection closes at once: no waiting for the 10 s timeout
+    time.sleep(0.5)
+    assert _rank_processes() - before == set(), "rank processes left behind"
