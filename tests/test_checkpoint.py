@@ -18,6 +18,7 @@ from gradcomm.checkpoint import load_checkpoint, rank_file, save_checkpoint
 from gradcomm.hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from gradcomm.testing import run_on_ranks
 from tests.ddp_kinds import DDP_KINDS, make_ddp
+from tests.helpers import flat_parameters
 
 SUBGROUPS = {2: [[0], [1]], 3: [[0, 1], [2]]}
 # One world size per DDP kind, to spare the two shared cores; both sizes are covered.
@@ -37,9 +38,6 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 * rank + step)
     return torch.randn(8, 6, generator=generator), torch.randn(8, 3, generator=generator)
 
-
-def _flat(module: torch.nn.Module) -> np.ndarray:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).numpy().copy()
 
 
 def _segment(kind: str, subgroup, first: int, last: int, save: str | None = None, load: str | None = None) -> dict:
@@ -66,7 +64,7 @@ def _segment(kind: str, subgroup, first: int, last: int, save: str | None = None
         losses.append(loss.item())
     if save is not None:
         save_checkpoint(save, ddp, optimizer, state, averager=averager.state_dict(), step=last)
-    return {"losses": losses, "params": _flat(ddp), "iter": state.iter, "averager_step": averager.step}
+    return {"losses": losses, "params": flat_parameters(ddp), "iter": state.iter, "averager_step": averager.step}
 
 
 def _rank_first_half(kind: str, path: str) -> dict:
@@ -145,7 +143,7 @@ def test_single_process_round_trip_and_argument_checks(tmp_path):
     other_state = PostLocalSGDState(None, None, START, post_local_gradient_allreduce=False)
     checkpoint = load_checkpoint(tmp_path, other, other_optimizer, other_state)
     assert checkpoint["step"] == 7 and other_state.iter == 1
-    assert np.array_equal(_flat(other), _flat(model))
+    assert np.array_equal(flat_parameters(other), flat_parameters(model))
     assert other_optimizer.state_dict()["state"][0]["momentum_buffer"].equal(
         optimizer.state_dict()["state"][0]["momentum_buffer"]
     )

@@ -17,6 +17,7 @@ from torch import nn
 import gradcomm
 from gradcomm.bucketing import assign_buckets, bucket_size_limits
 from gradcomm.testing import run_on_ranks
+from tests.helpers import error_text
 
 
 def _mlp() -> nn.Module:
@@ -33,13 +34,6 @@ def _backward(ddp: nn.Module, step: int = 0) -> None:
     x, y = _batch(step)
     nn.functional.mse_loss(ddp(x), y).backward()
 
-
-def _error(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 # -- hooks used by the checks -----------------------------------------------------------------------------
@@ -167,15 +161,15 @@ def engine_checks() -> dict[str, Any]:
 
     # registration-time misuse
     ddp = gradcomm.DistributedDataParallel(_mlp())
-    out["not_callable"] = _error(lambda: ddp.register_comm_hook(None, "allreduce"))
-    out["bad_bucket_annotation"] = _error(lambda: ddp.register_comm_hook(None, bad_bucket_annotation))
-    out["bad_return_annotation"] = _error(lambda: ddp.register_comm_hook(None, bad_return_annotation))
-    out["one_argument"] = _error(lambda: ddp.register_comm_hook(None, one_argument_hook))
+    out["not_callable"] = error_text(lambda: ddp.register_comm_hook(None, "allreduce"))
+    out["bad_bucket_annotation"] = error_text(lambda: ddp.register_comm_hook(None, bad_bucket_annotation))
+    out["bad_return_annotation"] = error_text(lambda: ddp.register_comm_hook(None, bad_return_annotation))
+    out["one_argument"] = error_text(lambda: ddp.register_comm_hook(None, one_argument_hook))
     ddp.register_comm_hook(None, first_hook)
-    out["twice"] = _error(lambda: ddp.register_comm_hook(None, second_hook))
+    out["twice"] = error_text(lambda: ddp.register_comm_hook(None, second_hook))
     late = gradcomm.DistributedDataParallel(_mlp())
     _backward(late)
-    out["after_backward"] = _error(lambda: late.register_comm_hook(None, first_hook))
+    out["after_backward"] = error_text(lambda: late.register_comm_hook(None, first_hook))
 
     # run-time misuse: each on a fresh DDP, every rank fails the same way, nothing hangs
     for name, hook in [
@@ -187,17 +181,17 @@ def engine_checks() -> dict[str, Any]:
     ]:
         bad = gradcomm.DistributedDataParallel(_mlp())
         bad.register_comm_hook(None, hook)
-        out[name] = _error(lambda bad=bad: _backward(bad))
+        out[name] = error_text(lambda bad=bad: _backward(bad))
 
     # an unused parameter without find_unused_parameters: an error at the next forward, not a hang
     unused = gradcomm.DistributedDataParallel(WithUnused())
     _backward_unused = lambda: nn.functional.mse_loss(unused(_batch()[0]), _batch()[1]).backward()  # noqa: E731
     _backward_unused()
-    out["unused_next_forward"] = _error(_backward_unused)
+    out["unused_next_forward"] = error_text(_backward_unused)
 
     # ranks that disagree on the model
     other = nn.Linear(8, 4 if dist.get_rank() == 0 else 5)
-    out["shape_mismatch"] = _error(lambda: gradcomm.DistributedDataParallel(other))
+    out["shape_mismatch"] = error_text(lambda: gradcomm.DistributedDataParallel(other))
 
     # future passing: the hook's own future value becomes the gradient
     passing = gradcomm.DistributedDataParallel(_mlp())
@@ -294,7 +288,7 @@ def _legacy_checks(world: int) -> dict[str, Any]:
         )
         if use_hook:
             out["legacy_is_last"] = [call["is_last"] for call in recorder.calls]
-            out["legacy_twice"] = _error(lambda legacy=legacy: legacy.register_comm_hook(None, second_hook))
+            out["legacy_twice"] = error_text(lambda legacy=legacy: legacy.register_comm_hook(None, second_hook))
     return out
 
 

@@ -21,6 +21,7 @@ from gradcomm.averagers import PeriodicModelAverager
 from gradcomm.hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from gradcomm.testing import run_on_ranks
 from tests.ddp_kinds import DDP_KINDS, make_ddp
+from tests.helpers import flat_parameters
 
 START = 3
 PERIOD = 2
@@ -40,10 +41,6 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 * rank + step)
     return torch.randn(8, 6, generator=generator), torch.randn(8, 3, generator=generator)
 
-
-def _flat(module: torch.nn.Module) -> np.ndarray:
-    """The parameters as one numpy array (tensors do not survive the trip back from a rank process)."""
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).numpy().copy()
 
 
 def _optimizer(module: torch.nn.Module) -> torch.optim.Optimizer:
@@ -73,7 +70,7 @@ def _train(kind, hook, state, averager, **ddp_kwargs) -> dict:
         optimizer.step()
         averager.average_parameters(ddp.parameters())
         out["losses"].append(loss.item())
-        out["params"].append(_flat(ddp))
+        out["params"].append(flat_parameters(ddp))
         out["all_reduce_calls"].append(comm.traffic.calls.get("all_reduce", 0) - before)
         out["iter"].append(state.iter)
     return out
@@ -114,7 +111,7 @@ def _reference(group_after, post_local: bool = True) -> dict:
                     p.copy_(flat[offset : offset + p.numel()].view_as(p))
                     offset += p.numel()
         out["losses"].append(loss.item())
-        out["params"].append(_flat(model))
+        out["params"].append(flat_parameters(model))
     return out
 
 

@@ -26,6 +26,7 @@ from gradcomm.hooks.registry import (
 )
 from gradcomm.testing import RankError, run_on_ranks
 from tests.ddp_kinds import DDP_KINDS, make_ddp
+from tests.helpers import flat_parameters
 
 TORCH_NAMES = {
     "ALLREDUCE": "allreduce",
@@ -73,9 +74,6 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
 
 
-def _flat(module: torch.nn.Module) -> np.ndarray:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).numpy().copy()
-
 
 def _train(kind: str, case: tuple | None) -> dict:
     rank = dist.get_rank()
@@ -95,7 +93,7 @@ def _train(kind: str, case: tuple | None) -> dict:
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return {"losses": losses, "params": _flat(ddp), "state_type": state_type}
+    return {"losses": losses, "params": flat_parameters(ddp), "state_type": state_type}
 
 
 def _rank_train_every_hook(kind: str) -> dict:
@@ -139,7 +137,7 @@ def test_every_hook_registers_by_name_and_trains(kind, world_size, case):
     by_rank = [ranks[case] for ranks in _trained(kind, world_size)]
     for rank, result in enumerate(by_rank):
         assert "error" not in result, f"{case!r} failed on rank {rank}:\n{result['error']}"
-    initial = _flat(_model())
+    initial = flat_parameters(_model())
     for result in by_rank:
         assert np.isfinite(result["losses"]).all() and np.isfinite(result["params"]).all()
         assert not np.array_equal(result["params"], initial)

@@ -30,6 +30,7 @@ from gradcomm.grad_bucket import GradBucket
 from gradcomm.hooks import default_hooks, powerSGD_hook
 from gradcomm.hooks.registry import hook_names, make_comm_hook
 from gradcomm.testing import RankError, run_on_ranks
+from tests.helpers import error_text
 
 FAULT_TIMEOUT = 3.0  # seconds: the timeout of the subgroup each fault runs on
 SLACK = 6.0  # seconds a rank may take beyond the timeout to report (a loaded two-core machine)
@@ -63,13 +64,6 @@ def _train_step(ddp: nn.Module, step: int, optimizer: torch.optim.Optimizer | No
         optimizer.step()
 
 
-def _error(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
 
 def _fault_group() -> dist.ProcessGroup:
     """A fresh gloo group with a short timeout; the barrier waits until the previous fault has ended on
@@ -90,7 +84,7 @@ def _first_failure(ddp: nn.Module, steps: int, **kwargs: Any) -> dict[str, Any]:
                 "traceback": "".join(traceback.format_exception(exc)),
                 "step": step,
                 "seconds": time.monotonic() - start,
-                "next_forward": _error(lambda step=step: _train_step(ddp, step + 1, **kwargs)),
+                "next_forward": error_text(lambda step=step: _train_step(ddp, step + 1, **kwargs)),
             }
     return {"message": "no error", "step": None, "seconds": 0.0}
 
@@ -150,33 +144,33 @@ def _disagreements() -> dict[str, Any]:
     rank = dist.get_rank()
     hooks = [default_hooks.allreduce_hook, default_hooks.fp16_compress_hook]
     ddp = gradcomm.DistributedDataParallel(_mlp())
-    out["different_hooks"] = _error(lambda: ddp.register_comm_hook(None, hooks[rank]))
+    out["different_hooks"] = error_text(lambda: ddp.register_comm_hook(None, hooks[rank]))
 
     ddp = gradcomm.DistributedDataParallel(_mlp(), bucket_cap_mb=[0.0001, 25][rank])
-    out["different_buckets"] = _error(lambda: ddp.register_comm_hook(None, default_hooks.allreduce_hook))
+    out["different_buckets"] = error_text(lambda: ddp.register_comm_hook(None, default_hooks.allreduce_hook))
     ddp = gradcomm.DistributedDataParallel(_mlp(), bucket_cap_mb=[0.0001, 25][rank])
-    out["different_buckets_no_hook"] = _error(lambda: _train_step(ddp, 0))
+    out["different_buckets_no_hook"] = error_text(lambda: _train_step(ddp, 0))
 
     state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank + 1)
     ddp = gradcomm.DistributedDataParallel(_mlp())
-    out["different_options"] = _error(lambda: ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook))
+    out["different_options"] = error_text(lambda: ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook))
 
     wrapped = default_hooks.fp16_compress_wrapper([default_hooks.allreduce_hook, powerSGD_hook.powerSGD_hook][rank])
     state = powerSGD_hook.PowerSGDState(process_group=None)
     ddp = gradcomm.DistributedDataParallel(_mlp())
-    out["different_wrapped"] = _error(lambda: ddp.register_comm_hook(state, wrapped))
+    out["different_wrapped"] = error_text(lambda: ddp.register_comm_hook(state, wrapped))
 
     ddp = gradcomm.DistributedDataParallel(_mlp())
     if rank == 0:
-        out["hook_on_rank_0_only"] = _error(lambda: ddp.register_comm_hook(None, default_hooks.allreduce_hook))
+        out["hook_on_rank_0_only"] = error_text(lambda: ddp.register_comm_hook(None, default_hooks.allreduce_hook))
     else:
-        out["hook_on_rank_0_only"] = _error(lambda: _train_step(ddp, 0))
+        out["hook_on_rank_0_only"] = error_text(lambda: _train_step(ddp, 0))
 
     ddp = gradcomm.DistributedDataParallel(_mlp(), check_parameters_every=[0, 5][rank])
-    out["different_ddp_options"] = _error(lambda: _train_step(ddp, 0))
+    out["different_ddp_options"] = error_text(lambda: _train_step(ddp, 0))
 
     legacy = gradcomm.LegacyDistributedDataParallel(_mlp(), world_size=2)
-    out["legacy_different_hooks"] = _error(lambda: legacy.register_comm_hook(None, hooks[rank]))
+    out["legacy_different_hooks"] = error_text(lambda: legacy.register_comm_hook(None, hooks[rank]))
 
     # agreeing ranks still train, and the group is healthy after all of the above
     ddp = gradcomm.DistributedDataParallel(_mlp())
@@ -276,7 +270,7 @@ def _uneven_inputs() -> dict[str, Any]:
             for step in range(dist.get_rank() + 1):
                 _train_step(ddp, step)
 
-    out["throw_on_early_termination"] = _error(early)
+    out["throw_on_early_termination"] = error_text(early)
     return out
 
 
@@ -297,7 +291,7 @@ def _drift() -> dict[str, Any]:
                 with torch.no_grad():
                     ddp.module[2].weight[0, 0] += 1e-6
 
-    out["drift"] = _error(drift)
+    out["drift"] = error_text(drift)
     out["drift_step"] = ddp.synchronised_steps
     return out
 
