@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .hook_contract import DEFAULT_HOOK_NAME, hook_name
 
-__all__ = ["RanksDisagreeError", "check_same_on_all_ranks", "describe_hook", "describe_state"]
+__all__ = ["RanksDisagreeError", "check_same_on_all_ranks", "describe_hook", "describe_state", "hook_fingerprint"]
 
 
 class RanksDisagreeError(ValueError):
@@ -98,6 +98,11 @@ def describe_state(state: Any, depth: int = 1) -> str:
         if text is not None:
             fields.append(f"{key}={text}")
     return f"{type(state).__qualname__}({', '.join(fields)})"
+
+
+def hook_fingerprint(hook: Callable[..., Any] | None, state: Any) -> dict[str, str]:
+    """The hook's part of a setup fingerprint: its qualified name and its state's plain options."""
+    return {"hook": describe_hook(hook), "hook options": describe_state(state) if hook is not None else "-"}
 
 
 def check_same_on_all_ranks(fingerprint: Mapping[str, str], group: Any, who: str) -> None:

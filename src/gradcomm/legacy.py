@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from . import comm
-from .agreement import check_same_on_all_ranks, describe_hook, describe_state
+from .agreement import check_same_on_all_ranks, hook_fingerprint
 from .faults import reporting_lost_peers
 from .grad_bucket import GradBucket
 from .hook_contract import DEFAULT_HOOK_NAME, CommHook, call_hook, check_hook, hook_name, hook_result
@@ -101,8 +101,7 @@ class LegacyDistributedDataParallel(nn.Module):
 
     def _check_same_setup(self, hook: CommHook | None, state: Any) -> None:
         fingerprint = {
-            "hook": describe_hook(hook),
-            "hook options": describe_state(state) if hook is not None else "-",
+            **hook_fingerprint(hook, state),
             "buffer_size": repr(self.buffer_size),
             "world_size": repr(self.world_size),
         }

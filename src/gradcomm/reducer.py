@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from . import comm
-from .agreement import check_same_on_all_ranks, describe_hook, describe_state
+from .agreement import check_same_on_all_ranks, hook_fingerprint
 from .bucketing import assign_buckets, bucket_size_limits
 from .faults import NonFiniteGradientError, PeerLostError, reporting_lost_peers
 from .grad_bucket import GradBucket
@@ -204,8 +204,7 @@ class Reducer:
         sizes = [bucket.buffer.numel() for bucket in self._buckets]
         dtypes = sorted({str(bucket.buffer.dtype) for bucket in self._buckets})
         fingerprint = {
-            "hook": describe_hook(hook),
-            "hook options": describe_state(state) if hook is not None else "-",
+            **hook_fingerprint(hook, state),
             "bucket layout": f"{len(sizes)} bucket(s) of {sizes} elements ({', '.join(dtypes)})",
             "bucket_cap_mb": repr(self._bucket_cap_mb),
             "find_unused_parameters": repr(self._find_unused),
@@ -426,18 +425,11 @@ class Reducer:
                 hook_result(self._hook_name, future, bucket.index, bucket.buffer, step, self._group)
                 for bucket, future in zip(self._buckets, self._futures, strict=True)
             ]
-            globally_used = None
-            with reporting_lost_peers(step, "after the last bucket (used-parameter map, telemetry)", self._group):
-                if self._locally_used is not None:
-                    # Only now: a hook may launch collectives from its futures' callbacks, and this one must not
-                    # interleave with them differently on different ranks.
-                    dist.all_reduce(self._locally_used, group=self._group)
-                    globally_used = self._locally_used.tolist()
-                for bucket, result in zip(self._buckets, results, strict=True):
-                    self.stats.compare_result(bucket.index, result, self._group)
-                    if not _same_tensor(result, bucket.buffer):
-                        bucket.buffer.copy_(result)
-                    self._write_gradients(bucket, globally_used)
+            globally_used = self._after_last_bucket(step, results, self._locally_used)
+            for bucket, result in zip(self._buckets, results, strict=True):
+                if not _same_tensor(result, bucket.buffer):
+                    bucket.buffer.copy_(result)
+                self._write_gradients(bucket, globally_used)
             self.stats.end_step()
             self._synced_backwards += 1
             if not self._rebuild_done:
@@ -462,20 +454,17 @@ class Reducer:
         self.check_usable()
         step = self._synced_backwards
         try:
-            futures = []
+            launched = []
             for bucket in self._buckets:
                 zeros = torch.zeros_like(bucket.buffer)
-                futures.append((bucket, zeros, self._launch(bucket, bucket.grad_bucket(zeros))))
+                self.stats.remember_input(bucket.index, zeros, averaged=self._hook is None)
+                launched.append((bucket, zeros, self._launch(bucket, bucket.grad_bucket(zeros))))
             results = [
                 hook_result(self._hook_name, future, bucket.index, zeros, step, self._group)
-                for bucket, zeros, future in futures
+                for bucket, zeros, future in launched
             ]
-            with reporting_lost_peers(step, "after the last bucket (used-parameter map, telemetry)", self._group):
-                if self._find_unused:
-                    dist.all_reduce(torch.zeros(len(self._params), dtype=torch.int32), group=self._group)
-                if self.stats.measure_error:
-                    for result in results:
-                        dist.all_reduce(torch.zeros_like(result), group=self._group)
+            unused = torch.zeros(len(self._params), dtype=torch.int32) if self._find_unused else None
+            self._after_last_bucket(step, results, unused)
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -484,6 +473,24 @@ class Reducer:
             # Rebuild with the others at the next step; a training rank's order is broadcast to this one.
             self._rebuild_done = True
             self._rebuild_order = list(self._layout_order)
+
+    def _after_last_bucket(
+        self, step: int, results: list[torch.Tensor], locally_used: torch.Tensor | None
+    ) -> list[int] | None:
+        """The collectives after the last bucket, the same in real and shadow steps: the used-parameter map
+        (with ``find_unused_parameters``), then the telemetry's error pass (with ``measure_error``).
+
+        Only after every bucket's future: a hook may launch collectives from its futures' callbacks, and these
+        must not interleave with them differently on different ranks. Returns the globally-used flags.
+        """
+        with reporting_lost_peers(step, "after the last bucket (used-parameter map, telemetry)", self._group):
+            globally_used = None
+            if locally_used is not None:
+                dist.all_reduce(locally_used, group=self._group)
+                globally_used = locally_used.tolist()
+            for bucket, result in zip(self._buckets, results, strict=True):
+                self.stats.compare_result(bucket.index, result, self._group)
+        return globally_used
 
     def _write_gradients(self, bucket: _Bucket, globally_used: list[int] | None) -> None:
         for index, param, view in zip(bucket.param_indices, bucket.params, bucket.views, strict=True):
