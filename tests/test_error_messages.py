@@ -1,0 +1,108 @@
+"""Messages of the smaller misuse paths: bad arguments to the DDPs, the collectives, the harness, checkpoints
+and the bench. The ones that need a process group share one spawned group."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradcomm
+from gradcomm import comm
+from gradcomm.__main__ import main
+from gradcomm.checkpoint import save_checkpoint
+from gradcomm.testing import run_on_ranks
+from tests.helpers import error_text
+
+
+def test_grad_bucket_set_buffer_needs_the_same_size() -> None:
+    buffer = torch.zeros(6)
+    bucket = gradcomm.GradBucket(2, buffer, [0], [6], [torch.Size([6])], [], True)
+    with pytest.raises(ValueError, match=r"GradBucket 2: set_buffer got a tensor of 4 elements, but the bucket holds 6"):
+        bucket.set_buffer(torch.zeros(4))
+
+
+def test_legacy_ddp_arguments() -> None:
+    with pytest.raises(ValueError, match=r"LegacyDistributedDataParallel: world_size must be at least 1, got 0"):
+        gradcomm.LegacyDistributedDataParallel(nn.Linear(2, 2), world_size=0)
+    with pytest.raises(ValueError, match=r"LegacyDistributedDataParallel: buffer_size must be at least 1, got 0"):
+        gradcomm.LegacyDistributedDataParallel(nn.Linear(2, 2), world_size=2, buffer_size=0)
+
+
+def test_run_on_ranks_arguments() -> None:
+    with pytest.raises(ValueError, match=r"run_on_ranks: world_size must be at least 1, got 0"):
+        run_on_ranks(print, 0)
+    with pytest.raises(ValueError, match=r"run_on_ranks: 1 namespaces given for 2 ranks"):
+        run_on_ranks(print, 2, namespaces=["only-one"])
+
+
+def test_checkpoint_extras_may_not_shadow_reserved_names(tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match=r"save_checkpoint: extra names \['bucket_layout', 'format'\] are reserved"):
+        save_checkpoint(str(tmp_path), nn.Linear(2, 2), format=1, bucket_layout=2)
+
+
+def test_bench_option_and_torchrun_messages(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert main(["bench", "--hook-option", "rank4"]) == 2
+    assert "gradcomm bench: error: --hook-option 'rank4' is not KEY=VALUE" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert main(["bench", "--bandwidth", "1gbit"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "gradcomm bench: error: --bandwidth shapes local namespaced ranks; under torchrun the real network is "
+        "measured"
+    )
+
+
+def _frozen() -> nn.Module:
+    module = nn.Linear(4, 2)
+    module.requires_grad_(False)
+    return module
+
+
+def misuse_with_a_process_group() -> dict[str, str]:
+    out = {
+        "reduce_scatter": error_text(lambda: comm.reduce_scatter_tensor(torch.zeros(3))),
+        "all_to_all": error_text(lambda: comm.all_to_all_single(torch.zeros(3, 2))),
+        "two_devices": error_text(lambda: gradcomm.DistributedDataParallel(nn.Linear(4, 2), device_ids=[0, 1])),
+        "all_frozen": error_text(lambda: gradcomm.DistributedDataParallel(_frozen())),
+    }
+    torch.manual_seed(0)
+    ddp = gradcomm.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)))
+    other = gradcomm.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3), nn.Linear(3, 2)))
+    out["layout_of_other_model"] = error_text(lambda: ddp.load_bucket_layout(other.bucket_layout()))
+    # Changing the buckets from inside backward (here: from a hook on the last gradient to become ready).
+    layout = ddp.bucket_layout()
+    seen: dict[str, str] = {}
+
+    def change_layout(_: torch.Tensor) -> None:
+        seen["during_backward"] = error_text(lambda: ddp.load_bucket_layout(layout))
+
+    ddp.module[0].weight.register_post_accumulate_grad_hook(change_layout)
+    ddp(torch.randn(2, 4)).sum().backward()
+    out.update(seen)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_messages_with_a_process_group() -> None:
+    out = run_on_ranks(misuse_with_a_process_group, 2, timeout=100)[0]
+    expected = {
+        "reduce_scatter": r"ValueError: reduce_scatter_tensor: 3 elements do not split into 2 equal chunks; pad",
+        "all_to_all": r"ValueError: all_to_all_single: dimension 0 of size 3 does not split into 2 equal chunks",
+        "two_devices": r"ValueError: gradcomm.DistributedDataParallel supports one device per process; got "
+        r"device_ids=\[0, 1\]",
+        "all_frozen": r"RuntimeError: gradcomm.DistributedDataParallel: the module has no parameter that requires "
+        r"a gradient",
+        "layout_of_other_model": r"ValueError: load_bucket_layout: the checkpoint's bucket layout is for other "
+        r"parameters \(4 parameters here, 6 saved\); load it into the model it was saved from",
+        "during_backward": r"RuntimeError: load_bucket_layout: cannot change buckets during a backward pass",
+    }
+    for key, pattern in expected.items():
+        assert re.search(pattern, out[key]), f"{key}: {out[key]}"
