@@ -59,6 +59,7 @@ def test_bench_writes_table_json_csv_and_plot(tmp_path: Path) -> None:
     document = json.loads((out / "results.json").read_text())
     summaries = {s["label"]: s for s in document["summaries"]}
     assert set(summaries) == {"allreduce", "fp16_compress"}
+    assert document["config"]["data"] == "generated from fixed seeds"
     # the CNN has 283,978 float32 parameters (320 + 64 + 18,496 + 128 + 262,400 + 2,570): allreduce
     # hands over all of them, fp16 half
     assert summaries["allreduce"]["mb_per_step"] == pytest.approx(283_978 * 4 / 1e6)

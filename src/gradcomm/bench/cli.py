@@ -204,6 +204,7 @@ def _report(
         **asdict(config),
         "hooks": [choice.label for choice in config.hooks],
         "world_size": len(runs),
+        "data": WORKLOADS[config.workload]().data_description(),
         "bandwidth": args.bandwidth,
         "latency": args.latency if args.bandwidth else None,
         "command": " ".join(["gradcomm", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None,

@@ -3,7 +3,9 @@
 * ``transformer``: a small GPT-style byte-level language model (nanoGPT's shape: token and position
   embeddings, pre-norm blocks of causal self-attention and MLP, tied output head) trained on the source code
   of Python's own standard library, which ships with every interpreter. Its attention and MLP weights are
-  the large matrices where low-rank methods (PowerSGD) pay off. Metric: perplexity.
+  the large matrices where low-rank methods (PowerSGD) pay off. Metric: perplexity. The text is that of the
+  running interpreter, so absolute losses differ slightly between Python patch releases (every hook of one
+  run trains on the same text); results record which text it was.
 * ``cnn``: a small convolutional classifier on procedurally generated 16x16 images: ten classes of oriented
   sinusoidal gratings with random phase and noise. Metric: accuracy.
 
@@ -40,6 +42,10 @@ class Workload(ABC):
 
     @abstractmethod
     def build_model(self) -> nn.Module: ...
+
+    def data_description(self) -> str:
+        """What the data is, precisely enough to tell whether two runs trained on the same data."""
+        return "generated from fixed seeds"
 
     @abstractmethod
     def batch(self, rank: int, step: int) -> Batch: ...
@@ -157,6 +163,16 @@ class TransformerLMWorkload(Workload):
 
         text = "\n".join(inspect.getsource(importlib.import_module(name)) for name in _CORPUS_MODULES)
         return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+
+    def data_description(self) -> str:
+        import hashlib
+        import sys
+
+        digest = hashlib.sha256(self.corpus.to(torch.uint8).numpy().tobytes()).hexdigest()[:12]
+        return (
+            f"source of {len(_CORPUS_MODULES)} stdlib modules of Python {sys.version.split()[0]}: "
+            f"{len(self.corpus)} bytes, sha256 {digest}"
+        )
 
     def build_model(self) -> nn.Module:
         return GPT(self.config).to(self.device)
