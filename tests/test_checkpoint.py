@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomm.averagers import PeriodicModelAverager
-from gradcomm.checkpoint import load_checkpoint, rank_file, save_checkpoint
+from gradcomm.checkpoint import MANIFEST, load_checkpoint, rank_file, save_checkpoint
 from gradcomm.hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from gradcomm.testing import run_on_ranks
 from tests.ddp_kinds import DDP_KINDS, make_ddp
@@ -100,16 +100,17 @@ def test_resume_in_fresh_processes_equals_uninterrupted_run_and_other_world_size
 ):
     path = str(tmp_path / "checkpoint")
     first = run_on_ranks(_rank_first_half, world_size, args=(kind, path), timeout=70)
-    assert sorted(os.listdir(path)) == [f"rank{r}.pt" for r in range(world_size)]
+    files = [os.path.basename(rank_file(path, r)) for r in range(world_size)]
+    assert sorted(os.listdir(path)) == sorted([MANIFEST, *files]), "only the committed checkpoint remains"
     saved = torch.load(rank_file(path, world_size - 1), weights_only=True)
-    assert saved["world_size"] == world_size and saved["step"] == STOP
+    assert saved["world_size"] == world_size and saved["step"] == STOP and saved["rank"] == world_size - 1
     assert saved["hook_state"]["iter"] == START and saved["averager"]["step"] == STOP
     assert "process_group" not in saved["hook_state"] and "subgroup" not in saved["hook_state"]
 
     one_rank_path = str(tmp_path / "one_rank")
     _save_one_rank_checkpoint(one_rank_path)
     resumed = run_on_ranks(_rank_resume, world_size, args=(kind, path, one_rank_path), timeout=70)
-    # Another world size is refused, by rank 0 (its file says 1 rank) and by ranks without a file.
+    # Another world size is refused on every rank alike: rank 0's manifest says 1 rank.
     refusal = f"was written by 1 rank, but this run has {world_size}; per-rank model, optimizer and hook state"
     for rank in range(world_size):
         assert refusal in resumed[rank]["refusal"], resumed[rank]["refusal"]
@@ -157,5 +158,5 @@ def test_single_process_round_trip_and_argument_checks(tmp_path):
     save_checkpoint(tmp_path / "bare", model)
     with pytest.raises(ValueError, match="has no hook_state saved"):
         load_checkpoint(tmp_path / "bare", model, hook_state=other_state)
-    with pytest.raises(FileNotFoundError, match="no checkpoint for rank 0"):
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint in .*missing.* it has no manifest.json"):
         load_checkpoint(tmp_path / "missing", model)

@@ -1,11 +1,31 @@
-"""Checkpoints of a data-parallel run: model, optimizer, communication-hook state and extras, per rank.
+"""All-or-nothing checkpoints of a data-parallel run: model, optimizer, hook state and extras, per rank.
 
 Resuming a run with a stateful hook exactly requires more than the model: the optimizer state, the hook
 state (PowerSGD's error feedback and warm-start matrices, post-local SGD's iteration counter), model
 averagers and the step count. Under compression with error feedback or local SGD these differ from rank to
-rank, so every rank writes its own file: ``save_checkpoint(path, ...)`` makes ``path`` a directory holding
-``rank<r>.pt`` for each rank ``r``, and every rank must call it. Each file records the world size; a
-checkpoint is refused at another world size, since per-rank state cannot be redistributed.
+rank, so every rank writes its own file, and every rank must call :func:`save_checkpoint` and
+:func:`load_checkpoint`. Each checkpoint records the world size; it is refused at another world size, since
+per-rank state cannot be redistributed.
+
+**All or nothing.** A checkpoint counts only once every rank's file is written. ``save_checkpoint(path, ...)``
+makes ``path`` a directory holding, per checkpoint id (a random hex string the ranks agree on)::
+
+    rank<r>-<id>.pt    each rank's state, written to a .partial name, fsynced and renamed into place
+    manifest.json      written by rank 0 last, once every rank reported its file durable: the commit
+
+The manifest (``{"format", "id", "step", "world_size", "files"}``) names the committed checkpoint; only after
+it is replaced does each rank delete its files of older ids and leftover ``.partial`` files. A save that a
+crash or a failed write interrupts therefore leaves the previous manifest, and the previous files it names,
+in place: loading the folder gives the last complete checkpoint on every rank. A failed write or commit
+raises ``OSError`` on every rank; a lost peer raises :class:`gradcomm.faults.PeerLostError`.
+
+:func:`load_checkpoint` reads the manifest on rank 0 and broadcasts it, so ranks on machines without a shared
+filesystem need only their own files (rank 0's folder holds the manifest). Every rank then loads the file the
+manifest names for it and the ranks compare, with one ``all_gather``, the checkpoint id and step each found:
+unless all of them found the checkpoint of the manifest, every rank raises the same
+:class:`CheckpointError` naming the ranks and what they found, and nothing is loaded on any rank. A folder
+in the earlier layout (``rank<r>.pt`` without a manifest, format ``gradcomm.checkpoint/1``) cannot be told
+complete from torn and is refused.
 
 Everything is stored as ``state_dict()`` output (tensors and plain values), so the files load with
 ``torch.load(..., weights_only=True)``: loading a checkpoint never runs code from it. Process groups are
@@ -24,18 +44,35 @@ state as an extra if the run depends on them.
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Mapping
-from typing import Any
+import re
+import uuid
+from collections.abc import Callable, Mapping
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["FORMAT", "load_checkpoint", "rank_file", "save_checkpoint"]
+from .faults import reporting_lost_peers
 
-FORMAT = "gradcomm.checkpoint/1"
-_RESERVED = ("format", "world_size", "rank", "model", "optimizer", "hook_state", "bucket_layout")
+__all__ = ["FORMAT", "MANIFEST", "CheckpointError", "load_checkpoint", "rank_file", "save_checkpoint"]
+
+FORMAT = "gradcomm.checkpoint/2"
+MANIFEST = "manifest.json"
+_OLD_FORMAT = "gradcomm.checkpoint/1"
+_RESERVED = ("format", "world_size", "rank", "checkpoint_id", "model", "optimizer", "hook_state", "bucket_layout")
 _PLAIN_LEAVES = (torch.Tensor, str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
+_PARTIAL = ".partial"
+# rank<r>-<id>.pt of this format, rank<r>.pt of the old one, either possibly with .partial.
+_RANK_FILE = re.compile(r"rank(?P<rank>\d+)(?:-(?P<id>[0-9a-f]{32}))?\.pt(?P<partial>\.partial)?")
+
+
+class CheckpointError(ValueError):
+    """A folder holds no complete checkpoint for this run, or a rank cannot load its part of it.
+
+    :func:`load_checkpoint` raises it on every rank alike (same message), before loading anything.
+    """
 
 
 def _world() -> tuple[int, int]:
@@ -44,9 +81,115 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
+def _file_name(rank: int, checkpoint_id: str) -> str:
+    return f"rank{rank}-{checkpoint_id}.pt"
+
+
+def _ranks(count: Any) -> str:
+    return f"{count} rank" if count == 1 else f"{count} ranks"
+
+
+def _rank_list(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _step(value: Any) -> int | None:
+    """The step to record in the manifest and compare across ranks: an integer ``step`` extra, else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _found(step: Any, checkpoint_id: Any) -> str:
+    return f"step {step} (id {checkpoint_id})" if step is not None else f"id {checkpoint_id} (no step saved)"
+
+
+# -- the manifest ------------------------------------------------------------------------------------------
+
+
+def _read_manifest(path: str | os.PathLike[str], caller: str = "load_checkpoint") -> dict[str, Any]:
+    """The committed manifest of ``path``; raises FileNotFoundError or CheckpointError saying what is wrong."""
+    folder = os.fspath(path)
+    manifest_path = os.path.join(folder, MANIFEST)
+    try:
+        with open(manifest_path, encoding="utf-8") as file:
+            manifest = json.load(file)
+    except FileNotFoundError:
+        raise _no_manifest(folder, caller) from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"{caller}: the manifest {manifest_path!r} cannot be read ({_described(exc)}); "
+            "without it no checkpoint in the folder counts as complete. Restore the folder from a backup or "
+            "resume from another checkpoint."
+        ) from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(
+            f"{caller}: {manifest_path!r} is not a {FORMAT} manifest (format {found!r}); load it with the "
+            "gradcomm version that wrote it."
+        )
+    if not _well_formed(manifest):
+        raise CheckpointError(
+            f"{caller}: {manifest_path!r} is malformed (it needs an id, a world size and one file per "
+            "rank); it was edited or damaged. Restore the folder from a backup or resume from another checkpoint."
+        )
+    return manifest
+
+
+def _well_formed(manifest: dict[str, Any]) -> bool:
+    world_size, files = manifest.get("world_size"), manifest.get("files")
+    return (
+        isinstance(manifest.get("id"), str)
+        and isinstance(world_size, int)
+        and isinstance(files, list)
+        and len(files) == world_size
+        and all(isinstance(name, str) and os.path.basename(name) == name for name in files)
+    )
+
+
+def _no_manifest(folder: str, caller: str) -> Exception:
+    matches = [_RANK_FILE.fullmatch(name) for name in os.listdir(folder)] if os.path.isdir(folder) else []
+    rank_files = [match for match in matches if match is not None and not match["partial"]]
+    if any(match["id"] is None for match in rank_files):
+        return CheckpointError(
+            f"{caller}: {folder!r} holds rank<r>.pt files without {MANIFEST}: a checkpoint in the "
+            f"{_OLD_FORMAT} layout, which cannot tell a complete checkpoint from one torn by a crash during "
+            f"its save, so this version ({FORMAT}) does not load it. Resume with the gradcomm version that "
+            "wrote it and save again, or start a fresh run."
+        )
+    if rank_files:
+        return FileNotFoundError(
+            f"{caller}: no complete checkpoint in {folder!r}: it holds rank files but no {MANIFEST}, so "
+            f"the save that wrote them never committed (save_checkpoint writes {MANIFEST} on rank 0 last, once "
+            "every rank's file is written). Resume from another checkpoint, or start a fresh run."
+        )
+    return FileNotFoundError(
+        f"{caller}: no complete checkpoint in {folder!r}: it has no {MANIFEST} (save_checkpoint writes it "
+        "in rank 0's folder, once every rank's file is written). Check the path, or start a fresh run."
+    )
+
+
+def _commit_manifest(folder: str, manifest: dict[str, Any]) -> None:
+    _write_durably(os.path.join(folder, MANIFEST), lambda file: file.write(json.dumps(manifest, indent=1).encode()))
+
+
 def rank_file(path: str | os.PathLike[str], rank: int) -> str:
-    """The file of ``rank`` in checkpoint directory ``path``."""
-    return os.path.join(os.fspath(path), f"rank{rank}.pt")
+    """The file of ``rank`` in the checkpoint committed in directory ``path``, as its manifest names it.
+
+    The manifest is in rank 0's folder: with ranks on machines without a shared filesystem, call it there.
+
+    Raises:
+        FileNotFoundError: ``path`` holds no committed checkpoint.
+        ValueError: the checkpoint has no rank ``rank``.
+    """
+    manifest = _read_manifest(path, "rank_file")
+    if not 0 <= rank < manifest["world_size"]:
+        raise ValueError(
+            f"rank_file: rank {rank} is not in the checkpoint in {os.fspath(path)!r}, written by "
+            f"{_ranks(manifest['world_size'])}"
+        )
+    return os.path.join(os.fspath(path), manifest["files"][rank])
+
+
+# -- saving ------------------------------------------------------------------------------------------------
 
 
 def _check_plain(value: Any, where: str) -> None:
@@ -68,30 +211,13 @@ def _check_plain(value: Any, where: str) -> None:
     )
 
 
-def save_checkpoint(
-    path: str | os.PathLike[str],
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    hook_state: Any = None,
-    **extra: Any,
-) -> str:
-    """Write this rank's checkpoint into directory ``path`` (created if needed); return the file written.
-
-    Every rank must call it (it ends with a barrier, so the checkpoint is complete on return).
-
-    Args:
-        model: saved with ``model.state_dict()``, and for gradcomm's DDP its bucket layout, which
-            :func:`load_checkpoint` restores so that per-bucket hook state fits the buckets it was made for.
-        optimizer: saved with ``optimizer.state_dict()``, if given.
-        hook_state: the communication hook's state, saved with its ``state_dict()``; ``None`` for hooks
-            whose state is a process group.
-        extra: further entries (a step count, ``averager=averager.state_dict()``); tensors and plain values
-            only. They come back as keys of :func:`load_checkpoint`'s result.
-    """
+def _payload(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, hook_state: Any, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """This rank's file contents, less its identity; raises on arguments that cannot be saved loadably."""
     clash = sorted(set(extra) & set(_RESERVED))
     if clash:
         raise ValueError(f"save_checkpoint: extra names {clash} are reserved; reserved names: {_RESERVED}")
-    rank, world_size = _world()
     hook_state_dict = None
     if hook_state is not None:
         if not callable(getattr(hook_state, "state_dict", None)):
@@ -103,45 +229,264 @@ def save_checkpoint(
         _check_plain(hook_state_dict, "hook_state.state_dict()")
     for key, value in extra.items():
         _check_plain(value, key)
-    payload = {
-        "format": FORMAT,
-        "world_size": world_size,
-        "rank": rank,
+    return {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "hook_state": hook_state_dict,
         "bucket_layout": model.bucket_layout() if callable(getattr(model, "bucket_layout", None)) else None,
         **extra,
     }
-    os.makedirs(path, exist_ok=True)
-    target = rank_file(path, rank)
-    partial = f"{target}.partial"
-    torch.save(payload, partial)
-    os.replace(partial, target)
-    if rank == 0:
-        _remove_stale_rank_files(path, world_size)
-    if world_size > 1:
-        dist.barrier()
+
+
+def _fsync_folder(folder: str) -> None:
+    """Make a rename in ``folder`` durable; a no-op where directories cannot be opened (Windows)."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _write_durably(target: str, write: Callable[[IO[bytes]], Any]) -> None:
+    """Write ``target`` so that after a crash it holds either nothing new or the whole new content."""
+    partial = target + _PARTIAL
+    try:
+        with open(partial, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, target)
+    except BaseException:
+        try:
+            os.remove(partial)
+        except OSError:
+            pass
+        raise
+    _fsync_folder(os.path.dirname(target) or ".")
+
+
+def _described(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _try(action: Callable[[], Any]) -> str | None:
+    """Run ``action``; the error it raised, as text for the other ranks, or None."""
+    try:
+        action()
+    except Exception as exc:
+        return _described(exc)
+    return None
+
+
+def _from_rank_0(value: Any, world_size: int, during: tuple[int | None, str]) -> Any:
+    """Rank 0's ``value`` on every rank; ``during`` (step, what) names the work if a peer is lost."""
+    if world_size == 1:
+        return value
+    box = [value]
+    with reporting_lost_peers(*during):
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _from_every_rank(value: Any, world_size: int, during: tuple[int | None, str]) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank."""
+    if world_size == 1:
+        return [value]
+    values: list[Any] = [None] * world_size
+    with reporting_lost_peers(*during):
+        dist.all_gather_object(values, value)
+    return values
+
+
+def _not_saved(folder: str, step: Any, what: str) -> OSError:
+    checkpoint = f"the checkpoint of step {step}" if step is not None else "the checkpoint"
+    return OSError(
+        f"save_checkpoint: {what}, so {checkpoint} was not saved; {folder!r} still holds the last complete "
+        "checkpoint, if there was one. Fix the cause (disk space, permissions) and save again."
+    )
+
+
+def _remove_superseded(folder: str, rank: int, world_size: int, checkpoint_id: str) -> None:
+    """Remove this rank's files of other ids and leftover .partial files, now that ``checkpoint_id`` is committed.
+
+    Rank 0 also removes the files of ranks beyond ``world_size``, left by a save at a larger world size, and
+    a leftover partial manifest.
+    """
+    for name in os.listdir(folder):
+        match = _RANK_FILE.fullmatch(name)
+        if match is None:
+            superseded = rank == 0 and name == MANIFEST + _PARTIAL
+        else:
+            owner = int(match["rank"])
+            mine = owner == rank or (rank == 0 and owner >= world_size)
+            superseded = mine and (match["id"] != checkpoint_id or match["partial"] is not None)
+        if superseded:
+            try:
+                os.remove(os.path.join(folder, name))
+            except FileNotFoundError:
+                pass
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    hook_state: Any = None,
+    **extra: Any,
+) -> str:
+    """Write this rank's part of a checkpoint into directory ``path`` (created if needed); return its file.
+
+    Every rank must call it. It returns once the checkpoint is committed: every rank's file is durable and
+    rank 0 has replaced the manifest. If any rank fails to write, or rank 0 to commit, every rank raises
+    ``OSError`` and ``path`` still holds the previous checkpoint; a lost peer raises
+    :class:`gradcomm.faults.PeerLostError`.
+
+    Args:
+        model: saved with ``model.state_dict()``, and for gradcomm's DDP its bucket layout, which
+            :func:`load_checkpoint` restores so that per-bucket hook state fits the buckets it was made for.
+        optimizer: saved with ``optimizer.state_dict()``, if given.
+        hook_state: the communication hook's state, saved with its ``state_dict()``; ``None`` for hooks
+            whose state is a process group.
+        extra: further entries (a step count, ``averager=averager.state_dict()``); tensors and plain values
+            only. They come back as keys of :func:`load_checkpoint`'s result; an integer ``step`` is also
+            recorded in the manifest, and named in errors.
+    """
+    payload = _payload(model, optimizer, hook_state, extra)
+    rank, world_size = _world()
+    folder = os.fspath(path)
+    step = extra.get("step")
+    manifest_step = _step(step)
+    during = (manifest_step, f"saving checkpoint {folder!r}")
+    checkpoint_id = _from_rank_0(uuid.uuid4().hex, world_size, during)
+    payload.update(format=FORMAT, world_size=world_size, rank=rank, checkpoint_id=checkpoint_id)
+    target = os.path.join(folder, _file_name(rank, checkpoint_id))
+    errors = _from_every_rank(_try(lambda: _write_rank_file(folder, target, payload)), world_size, during)
+    failed = [f"rank {r} could not write its file in {folder!r} ({e})" for r, e in enumerate(errors) if e]
+    if failed:
+        raise _not_saved(folder, step, "; ".join(failed))
+    manifest = {
+        "format": FORMAT,
+        "id": checkpoint_id,
+        "step": manifest_step,
+        "world_size": world_size,
+        "files": [_file_name(r, checkpoint_id) for r in range(world_size)],
+    }
+    error = _from_rank_0(_try(lambda: _commit_manifest(folder, manifest)) if rank == 0 else None, world_size, during)
+    if error is not None:
+        raise _not_saved(folder, step, f"rank 0 could not commit {os.path.join(folder, MANIFEST)!r} ({error})")
+    _remove_superseded(folder, rank, world_size, checkpoint_id)
     return target
 
 
-def _remove_stale_rank_files(path: str | os.PathLike[str], world_size: int) -> None:
-    """Remove files of ranks beyond ``world_size`` left by an earlier checkpoint at a larger world size."""
-    for name in os.listdir(path):
-        stem = name.removeprefix("rank").removesuffix(".pt")
-        if name.startswith("rank") and name.endswith(".pt") and stem.isdigit() and int(stem) >= world_size:
-            os.remove(os.path.join(path, name))
+def _write_rank_file(folder: str, target: str, payload: dict[str, Any]) -> None:
+    os.makedirs(folder, exist_ok=True)
+    _write_durably(target, lambda file: torch.save(payload, file))
 
 
-def _ranks(count: Any) -> str:
-    return f"{count} rank" if count == 1 else f"{count} ranks"
+# -- loading -----------------------------------------------------------------------------------------------
 
 
-def _refuse(path: str | os.PathLike[str], saved_world_size: Any, world_size: int) -> ValueError:
-    return ValueError(
-        f"load_checkpoint: {os.fspath(path)!r} was written by {_ranks(saved_world_size)}, but this run has "
+def _refuse(path: str, saved_world_size: Any, world_size: int) -> CheckpointError:
+    return CheckpointError(
+        f"load_checkpoint: {path!r} was written by {_ranks(saved_world_size)}, but this run has "
         f"{world_size}; per-rank model, optimizer and hook state cannot be redistributed. Resume with "
         f"{saved_world_size} ranks, or start a fresh run."
+    )
+
+
+_AGREED_ERRORS: dict[str, type[Exception]] = {
+    "FileNotFoundError": FileNotFoundError,
+    "CheckpointError": CheckpointError,
+}
+
+
+def _rank_0_manifest(folder: str, rank: int, world_size: int) -> tuple[dict[str, Any], str]:
+    """Rank 0's manifest and folder, on every rank.
+
+    Rank 0 alone reads the manifest, so that the ranks cannot disagree on it, and broadcasts what it found or
+    the error it met, which every rank then raises alike.
+    """
+    verdict = None
+    if rank == 0:
+        try:
+            manifest = _read_manifest(folder)
+            if manifest["world_size"] != world_size:
+                raise _refuse(folder, manifest["world_size"], world_size)
+            verdict = ("manifest", (manifest, folder))
+        except (FileNotFoundError, CheckpointError) as exc:
+            verdict = (type(exc).__name__, str(exc))
+        except Exception as exc:
+            verdict = ("CheckpointError", f"load_checkpoint: rank 0 could not read {folder!r} ({_described(exc)})")
+    kind, content = _from_rank_0(verdict, world_size, (None, f"loading checkpoint {folder!r}"))
+    if kind != "manifest":
+        raise _AGREED_ERRORS[kind](content)
+    return content
+
+
+def _own_file(
+    folder: str, manifest: dict[str, Any], rank: int, parts: dict[str, Any], map_location: Any
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """This rank's checkpoint and its report for the cross-check: the id and step found, and any problem."""
+    target = os.path.join(folder, manifest["files"][rank])
+    report: dict[str, Any] = {"id": None, "step": None, "problem": None}
+    if not os.path.exists(target):
+        report["problem"] = f"{target!r} is missing (this rank's file of checkpoint {manifest['id']})"
+        return None, report
+    try:
+        checkpoint = torch.load(target, map_location=map_location, weights_only=True)
+    except Exception as exc:
+        report["problem"] = f"{target!r} could not be read ({_described(exc)}); is it truncated?"
+        return None, report
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
+        report["problem"] = f"{target!r} is not a {FORMAT} file"
+        return None, report
+    report.update(id=checkpoint.get("checkpoint_id"), step=_step(checkpoint.get("step")))
+    problems = []
+    if report["id"] != manifest["id"]:
+        problems.append(f"{target!r} holds {_found(report['step'], report['id'])}, not the checkpoint {MANIFEST} names")
+    if (checkpoint.get("rank"), checkpoint.get("world_size")) != (rank, manifest["world_size"]):
+        saved_by = f"rank {checkpoint.get('rank')} of {_ranks(checkpoint.get('world_size'))}"
+        problems.append(f"{target!r} was written by {saved_by}, not by rank {rank} of {manifest['world_size']}")
+    problems += [
+        f"{target!r} has no {part} saved, but one was given to load into"
+        for part, obj in parts.items()
+        if obj is not None and checkpoint.get(part) is None
+    ]
+    report["problem"] = "; ".join(problems) or None
+    return checkpoint, report
+
+
+def _verdict(folder: str, manifest: dict[str, Any], reports: list[dict[str, Any]]) -> CheckpointError | None:
+    """The error every rank raises unless every rank found the manifest's checkpoint, without problems."""
+    groups: dict[tuple[Any, Any], list[int]] = {}
+    for rank, report in enumerate(reports):
+        if report["id"] is not None:
+            groups.setdefault((report["id"], report["step"]), []).append(rank)
+    problems = [f"rank {rank}: {report['problem']}" for rank, report in enumerate(reports) if report["problem"]]
+    committed = (manifest["id"], manifest["step"])
+    mixed = len(groups) > 1 or any(found != committed for found in groups)
+    if not mixed and not problems:
+        return None
+    lines = []
+    if mixed:
+        found = sorted(groups.items(), key=lambda item: (item[0] == committed, len(item[1]), item[1]))
+        lines.append(
+            ", ".join(f"{_rank_list(ranks)} found {_found(step, cid)}" for (cid, step), ranks in found)
+            + f"; {MANIFEST} names {_found(manifest['step'], manifest['id'])}"
+        )
+    advice = (
+        f"Every rank needs its file of the checkpoint that {MANIFEST} names; the files were likely mixed from "
+        "different saves (copied or restored by hand, or a machine's folder holds an older save). Restore "
+        "them from one save, or resume from another checkpoint."
+        if mixed
+        else "Fix the file(s) named, or resume from another checkpoint."
+    )
+    return CheckpointError(
+        f"load_checkpoint: {folder!r} does not hold one complete checkpoint for this run; nothing was loaded "
+        "on any rank:\n  " + "\n  ".join(lines + problems) + f"\n{advice}"
     )
 
 
@@ -153,31 +498,31 @@ def load_checkpoint(
     *,
     map_location: Any = "cpu",
 ) -> dict[str, Any]:
-    """Load this rank's checkpoint from directory ``path`` into the given objects; return the whole dict.
+    """Load this rank's part of the checkpoint committed in directory ``path``; return its whole dict.
 
-    The model, optimizer and hook state are restored in place (each keeps its process group); the extras
-    saved with :func:`save_checkpoint` are keys of the returned dict.
+    Every rank must call it. Rank 0's manifest names the checkpoint; every rank loads its file of it and the
+    ranks check that they all found it before anything is restored. The model, optimizer and hook state are
+    then restored in place (each keeps its process group); the extras saved with :func:`save_checkpoint` are
+    keys of the returned dict, as is the ``checkpoint_id``.
 
     Raises:
-        ValueError: the checkpoint was written at another world size, or it lacks a part that was asked
-            for (an optimizer or hook state given here but not saved).
+        FileNotFoundError: ``path`` holds no committed checkpoint (on every rank).
+        CheckpointError: (a ``ValueError``, on every rank, with the same message) the checkpoint was written
+            at another world size or in the older layout; or some rank's file is missing, unreadable, of
+            another checkpoint than the manifest's, or lacks a part that was asked for (an optimizer or hook
+            state given here but not saved).
+        gradcomm.faults.PeerLostError: a peer was lost during the checks.
     """
     rank, world_size = _world()
-    target = rank_file(path, rank)
-    if not os.path.exists(target):
-        first = rank_file(path, 0)
-        if rank > 0 and os.path.exists(first):
-            saved = torch.load(first, map_location="cpu", weights_only=True)
-            raise _refuse(path, saved.get("world_size"), world_size)
-        raise FileNotFoundError(f"load_checkpoint: no checkpoint for rank {rank} in {os.fspath(path)!r} ({target})")
-    checkpoint = torch.load(target, map_location=map_location, weights_only=True)
-    if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
-        raise ValueError(f"load_checkpoint: {target!r} is not a {FORMAT} checkpoint")
-    if checkpoint["world_size"] != world_size:
-        raise _refuse(path, checkpoint["world_size"], world_size)
-    for part, obj in (("optimizer", optimizer), ("hook_state", hook_state)):
-        if obj is not None and checkpoint.get(part) is None:
-            raise ValueError(f"load_checkpoint: {target!r} has no {part} saved, but one was given to load into")
+    folder = os.fspath(path)
+    parts = {"optimizer": optimizer, "hook_state": hook_state}
+    manifest, rank_0_folder = _rank_0_manifest(folder, rank, world_size)
+    checkpoint, report = _own_file(folder, manifest, rank, parts, map_location)
+    reports = _from_every_rank(report, world_size, (None, f"loading checkpoint {folder!r}"))
+    error = _verdict(rank_0_folder, manifest, reports)
+    if error is not None:
+        raise error
+    assert checkpoint is not None
     model.load_state_dict(checkpoint["model"])
     if optimizer is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])
