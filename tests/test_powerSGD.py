@@ -916,9 +916,24 @@ def test_launcher_keeps_reservation_order_across_threads() -> None:
     assert launched == ["first", "second"]
     assert first.future.wait().item() == 1 and second.wait().item() == 2
 
+    # a slot that cannot be launched stops the launcher: the later ones would pair with the peers' version
+    # of the missing collective, so they fail without launching, now and from then on
     blocked = launcher.reserve(cpu)
     after = launcher.launch(launch("after"), cpu)
     launcher.cancel(blocked, RuntimeError("its P failed"))
-    assert launched[-1] == "after" and after.wait().item() == 3
     with pytest.raises(RuntimeError, match="its P failed"):
         blocked.future.wait()
+    for future in (after, launcher.launch(launch("later"), cpu)):
+        with pytest.raises(RuntimeError, match=r"collective not launched: an earlier collective of this hook failed "
+                           r"on this rank \(RuntimeError: its P failed\)"):
+            future.wait()
+    launcher.wait_until_launched()  # nothing left waiting
+    assert launched == ["first", "second"]
+
+    failing = _OrderedLauncher()  # launching itself raises: the same
+    broken = failing.launch(lambda: (_ for _ in ()).throw(ConnectionError("peer gone")), cpu)
+    with pytest.raises(ConnectionError, match="peer gone"):
+        broken.wait()
+    with pytest.raises(RuntimeError, match="collective not launched"):
+        failing.launch(launch("never"), cpu).wait()
+    assert launched == ["first", "second"]

@@ -1,23 +1,37 @@
-"""Checking that all ranks set up the same communication: hook, hook options, bucket layout.
+"""Checking that all ranks agree: on how they communicate, and on the parameters they hold.
 
 Ranks that register different hooks or options, or bucket differently, would pair unrelated collectives and
 hang or silently corrupt. A fingerprint of the setup (plain strings) is exchanged once with one small
 collective, and every rank raises the same :class:`RanksDisagreeError` naming what differs on which ranks.
+
+Replicas that should be identical are compared by :func:`check_same_parameters`: a checksum of every
+parameter's bits, one small ``all_gather``, and :class:`~gradcomm.faults.ParameterDriftError` on every
+rank if they differ. The DDP runs it every ``check_parameters_every`` steps, the model averagers right
+after each averaging.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Callable, Mapping
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .faults import ParameterDriftError
 from .hook_contract import DEFAULT_HOOK_NAME, hook_name
 
-__all__ = ["RanksDisagreeError", "check_same_on_all_ranks", "describe_hook", "describe_state", "hook_fingerprint"]
+__all__ = [
+    "RanksDisagreeError",
+    "check_same_on_all_ranks",
+    "check_same_parameters",
+    "describe_hook",
+    "describe_state",
+    "hook_fingerprint",
+]
 
 
 class RanksDisagreeError(ValueError):
@@ -31,8 +45,8 @@ _MAX_SEQUENCE = 16
 
 def describe_hook(hook: Callable[..., Any] | None, depth: int = 3) -> str:
     """``module.qualname`` of ``hook``, with ``functools.partial`` arguments and the plain values and
-    callables a closure holds (so ``fp16_compress_wrapper(powerSGD_hook)`` names ``powerSGD_hook``), down to
-    ``depth`` levels of wrapping."""
+    callables a closure or a callable object's attributes hold (so ``fp16_compress_wrapper(powerSGD_hook)``
+    and ``Wrapper(powerSGD_hook)`` name ``powerSGD_hook``), down to ``depth`` levels of wrapping."""
     if hook is None:
         return DEFAULT_HOOK_NAME
     bound: list[str] = []
@@ -43,12 +57,17 @@ def describe_hook(hook: Callable[..., Any] | None, depth: int = 3) -> str:
     name = f"{module}.{hook_name(hook)}"
     closure = (getattr(hook, "__closure__", None) or ()) if depth > 0 else ()
     freevars = getattr(getattr(hook, "__code__", None), "co_freevars", ())
+    held: list[tuple[str, Any]] = []
     for var, cell in zip(freevars, closure, strict=False):
         try:
-            value = cell.cell_contents
+            held.append((var, cell.cell_contents))
         except ValueError:
             continue
-        if callable(value) and not isinstance(value, type):
+    attributes = getattr(hook, "__dict__", None)
+    if depth > 0 and not inspect.isroutine(hook) and isinstance(attributes, Mapping):
+        held += [(key, value) for key, value in sorted(attributes.items()) if not key.startswith("__")]
+    for var, value in held:
+        if callable(value) and not isinstance(value, (type, dist.ProcessGroup)):
             bound.append(f"{var}={describe_hook(value, depth - 1)}")
         elif _plain(value) is not None:
             bound.append(f"{var}={_plain(value)}")
@@ -138,3 +157,79 @@ def check_same_on_all_ranks(fingerprint: Mapping[str, str], group: Any, who: str
 
 def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+# -- the same parameters on every rank -----------------------------------------------------------------------
+# Each parameter's bits summed as integers, so the sum does not depend on the order of summation (thread
+# count, kernels) and any change of any bit pattern shows; combined modulo a prime.
+_CHECKSUM_MODULUS = (1 << 61) - 1
+_INT_VIEW = {1: torch.int8, 2: torch.int16}
+
+
+def _bit_sums(params: Sequence[torch.Tensor]) -> list[int]:
+    """Per parameter, the wrapping int32 sum of its elements' bit patterns: changes if any element's bits do."""
+    sums = []
+    for param in params:
+        data = param.detach()
+        if data.is_complex():
+            data = torch.view_as_real(data)
+        view = data.reshape(-1).view(_INT_VIEW.get(data.element_size(), torch.int32))
+        sums.append(view.sum(dtype=torch.int32))  # wraps around: order-independent, no int64 copy
+    return torch.stack(sums).tolist() if sums else []
+
+
+def _collective_device(group: Any) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_same_parameters(
+    named_params: Sequence[tuple[str, torch.Tensor]],
+    group: Any,
+    who: str,
+    when: str,
+    take_part: bool = True,
+    advice: str = "",
+) -> None:
+    """Raise :class:`~gradcomm.faults.ParameterDriftError` on every rank of ``group`` if the ranks'
+    parameters differ in any bit; a collective (every rank calls it with the same parameter list).
+
+    One ``all_gather`` of three integers (a flag and two checksums); only when they differ, a second one
+    of a checksum per parameter, to name the first parameter that differs. Ranks calling with
+    ``take_part=False`` (a rank that has joined early and keeps stale parameters) are left out of the
+    comparison. ``who`` and ``when`` name the check and the moment in the message; ``advice`` is appended.
+    """
+    names = [name for name, _ in named_params]
+    sums = _bit_sums([param for _, param in named_params])
+    first = sum(sums) % _CHECKSUM_MODULUS
+    weighted = sum((i + 1) * s for i, s in enumerate(sums)) % _CHECKSUM_MODULUS
+    world = dist.get_world_size(group)
+    device = _collective_device(group)
+    mine = torch.tensor([int(take_part), first, weighted], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    rows = [row.tolist() for row in gathered]
+    compared = [rank for rank in range(world) if rows[rank][0]]
+    if not compared:
+        return
+    reference = compared[0]
+    drifted = [rank for rank in compared if rows[rank][1:] != rows[reference][1:]]
+    if not drifted:
+        return
+    mine_all = torch.tensor(sums, dtype=torch.int64, device=device)
+    every_sum = [torch.empty_like(mine_all) for _ in range(world)]
+    dist.all_gather(every_sum, mine_all, group=group)
+    per_rank = [row.tolist() for row in every_sum]
+    first_diff = next(
+        (names[i] for i in range(len(names)) if any(per_rank[r][i] != per_rank[reference][i] for r in drifted)),
+        "?",
+    )
+    global_ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    raise ParameterDriftError(
+        f"{who}: {when} the parameters of rank(s) {[global_ranks[r] for r in drifted]} differ from rank "
+        f"{global_ranks[reference]}'s (first differing parameter: {first_diff!r}). Replicas must stay "
+        "identical; something changed parameters on some ranks only (an update outside the DDP, a "
+        "rank-dependent re-initialisation, a hook that does not average, a non-deterministic kernel). "
+        f"Fix the cause and resume from the last checkpoint.{advice}"
+    )

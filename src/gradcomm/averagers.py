@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from gradcomm import comm
+from gradcomm.agreement import check_same_parameters
+from gradcomm.faults import reporting_lost_peers
 from gradcomm.hooks.hook_state import HookState
 
 __all__ = ["ModelAverager", "PeriodicModelAverager", "average_parameters", "params_to_average"]
@@ -34,21 +36,25 @@ __all__ = ["ModelAverager", "PeriodicModelAverager", "average_parameters", "para
 Params = Iterable[torch.nn.Parameter] | Iterable[dict[str, list[torch.nn.Parameter]]]
 
 
-def params_to_average(params: Params) -> list[torch.nn.Parameter]:
-    """The parameters that have a gradient, from ``model.parameters()`` or ``optimizer.param_groups``."""
-    selected: list[torch.nn.Parameter] = []
+def _flatten(params: Params) -> list[torch.nn.Parameter]:
+    """The parameters of ``model.parameters()`` or ``optimizer.param_groups``, as one list."""
+    flat: list[torch.nn.Parameter] = []
     for item in params:
         if isinstance(item, torch.Tensor):
-            group = [item]
+            flat.append(item)
         elif isinstance(item, dict):
-            group = item["params"]
+            flat.extend(item["params"])
         else:
             raise TypeError(
                 f"average_parameters: expected parameters or optimizer parameter groups (dicts), "
                 f"got {type(item).__name__}"
             )
-        selected.extend(p for p in group if p.grad is not None)
-    return selected
+    return flat
+
+
+def params_to_average(params: Params) -> list[torch.nn.Parameter]:
+    """The parameters that have a gradient, from ``model.parameters()`` or ``optimizer.param_groups``."""
+    return [p for p in _flatten(params) if p.grad is not None]
 
 
 def average_parameters(params: Iterable[torch.nn.Parameter], process_group: ProcessGroup | None = None) -> None:
@@ -99,9 +105,20 @@ class PeriodicModelAverager(ModelAverager):
             more cheaply, hence a warning).
         warmup_steps: steps without averaging; use the post-local SGD state's ``start_localSGD_iter``.
         process_group: group to average over; ``None`` for the default group.
+        check_after_averaging: right after each averaging, compare a checksum of the averaged parameters
+            across the group (one pass over them and one ``all_gather`` of three integers) and raise
+            :class:`~gradcomm.faults.ParameterDriftError` on every rank if they differ. This is where
+            post-local SGD's replicas must be identical, so it replaces the DDP's periodic check, which
+            skips the local phase.
     """
 
-    def __init__(self, period: int, warmup_steps: int = 0, process_group: ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        period: int,
+        warmup_steps: int = 0,
+        process_group: ProcessGroup | None = None,
+        check_after_averaging: bool = True,
+    ) -> None:
         super().__init__(process_group)
         if warmup_steps < 0:
             raise ValueError(f"PeriodicModelAverager: warmup_steps must be >= 0, got {warmup_steps}")
@@ -115,6 +132,7 @@ class PeriodicModelAverager(ModelAverager):
             )
         self.period = period
         self.warmup_steps = warmup_steps
+        self.check_after_averaging = check_after_averaging
 
     def averages_at(self, step: int) -> bool:
         """Whether the call at ``step`` (counted from 0) averages."""
@@ -123,8 +141,19 @@ class PeriodicModelAverager(ModelAverager):
     def average_parameters(self, params: Params) -> None:
         """Average ``params`` (a model's parameters or an optimizer's param groups) if due; advance ``step``.
 
-        Only parameters with a gradient are averaged, as in torch.
+        Only parameters with a gradient are averaged, as in torch. With ``check_after_averaging`` all of
+        ``params`` are then compared across the group (:func:`~gradcomm.agreement.check_same_parameters`).
         """
         if self.averages_at(self.step):
-            average_parameters(params_to_average(params), self.process_group)
+            given = _flatten(params)
+            where = f"averaging parameters (model averager, step {self.step})"
+            with reporting_lost_peers(None, where, self.process_group):
+                average_parameters([p for p in given if p.grad is not None], self.process_group)
+                if self.check_after_averaging and not dist._rank_not_in_group(self.process_group):
+                    check_same_parameters(
+                        [(f"parameter #{i}", p) for i, p in enumerate(given)],
+                        self.process_group,
+                        f"{type(self).__name__}(check_after_averaging=True)",
+                        f"right after averaging at averager step {self.step},",
+                    )
         self.step += 1

@@ -18,9 +18,10 @@ peers'): restart and resume from a checkpoint (:mod:`gradcomm.checkpoint`).
 
 At the first synchronised forward (or at ``register_comm_hook``) the ranks compare hook, hook options, bucket
 layout and the options that add collectives, and all raise
-:class:`~gradcomm.agreement.RanksDisagreeError` if they differ. Optional checks: ``check_finite`` (no
-NaN or infinity leaves the rank), ``check_parameters_every`` (replicas still identical), and :meth:`join`
-for ranks with different numbers of batches.
+:class:`~gradcomm.agreement.RanksDisagreeError` if they differ. Every ``check_parameters_every`` steps
+(20 by default) they compare checksums of their parameters and all raise
+:class:`~gradcomm.faults.ParameterDriftError` if the replicas differ. Optional: ``check_finite`` (no NaN
+or infinity leaves the rank), and :meth:`join` for ranks with different numbers of batches.
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .faults import ParameterDriftError, reporting_lost_peers
+from .agreement import check_same_parameters
+from .faults import reporting_lost_peers
 from .hook_contract import CommHook
 from .reducer import Reducer
 from .telemetry import CommStats
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["CHECK_PARAMETERS_EVERY", "DistributedDataParallel"]
 
 
 def _require_process_group(process_group: ProcessGroup | None, who: str) -> ProcessGroup:
@@ -90,22 +92,8 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: ProcessGroup, sr
                 tensor.copy_(synced)
 
 
-# Parameter checksums: each parameter's bits summed as integers, so the sum does not depend on the order of
-# summation (thread count, kernels) and any change of any bit pattern shows; combined modulo a prime.
-_CHECKSUM_MODULUS = (1 << 61) - 1
-_INT_VIEW = {1: torch.int8, 2: torch.int16}
-
-
-def _bit_sums(params: Sequence[torch.Tensor]) -> list[int]:
-    """Per parameter, the wrapping int32 sum of its elements' bit patterns: changes if any element's bits do."""
-    sums = []
-    for param in params:
-        data = param.detach()
-        if data.is_complex():
-            data = torch.view_as_real(data)
-        view = data.reshape(-1).view(_INT_VIEW.get(data.element_size(), torch.int32))
-        sums.append(view.sum(dtype=torch.int32))  # wraps around: order-independent, no int64 copy
-    return torch.stack(sums).tolist() if sums else []
+CHECK_PARAMETERS_EVERY = 20
+"""The default interval, in synchronised steps, of the replica check (see ``check_parameters_every``)."""
 
 
 @dataclass
@@ -148,11 +136,15 @@ class DistributedDataParallel(nn.Module):
             :class:`~gradcomm.faults.NonFiniteGradientError` naming the first such parameter and the
             rank otherwise (the values never leave the rank). Costs one pass over the gradients per step
             (and a device synchronisation per bucket on GPUs). Off by default.
-        check_parameters_every: every this many synchronised steps, compare a checksum of the parameters
-            across ranks (one ``all_gather`` of three integers) and raise
-            :class:`~gradcomm.faults.ParameterDriftError` on every rank, naming the step, the ranks
-            that differ from the lowest rank and the first differing parameter, if the replicas drifted
-            apart. ``None`` (the default) or 0: never.
+        check_parameters_every: every this many synchronised steps (default
+            :data:`CHECK_PARAMETERS_EVERY`, 20), compare a checksum of every parameter's bits across
+            ranks (one pass over the parameters and one ``all_gather`` of three integers) and raise
+            :class:`~gradcomm.faults.ParameterDriftError` on every rank, naming the step, the ranks that
+            differ from the lowest rank and the first differing parameter, if the replicas drifted apart.
+            So a silent divergence, whatever its cause, stops training within this many steps. Skipped
+            while the hook leaves replicas different on purpose (noop, post-local SGD after its warm-up;
+            :func:`~gradcomm.hook_contract.replicas_may_differ`): the model averagers check right after
+            each averaging instead. 0 or ``None``: never.
 
     The timeout of every collective is the process group's (``init_process_group(timeout=...)``).
     """
@@ -169,7 +161,7 @@ class DistributedDataParallel(nn.Module):
         output_device: int | torch.device | None = None,
         init_sync: bool = True,
         check_finite: bool = False,
-        check_parameters_every: int | None = None,
+        check_parameters_every: int | None = CHECK_PARAMETERS_EVERY,
     ) -> None:
         super().__init__()
         group = _require_process_group(process_group, "gradcomm.DistributedDataParallel")
@@ -233,6 +225,7 @@ class DistributedDataParallel(nn.Module):
         if synchronise:
             self.reducer.prepare_for_forward(source)
             self._maybe_check_parameters(joined=False)
+            self.reducer.arm_for_forward()  # a backward inside the forward (manual optimization) syncs too
         else:
             self.reducer.disarm()
         self._broadcast_buffers(source)
@@ -362,6 +355,8 @@ class DistributedDataParallel(nn.Module):
         step = self.synchronised_steps
         if not every or step == 0 or step % every or step == self._last_parameter_check:
             return
+        if self.reducer.replicas_may_differ():  # the model averager checks right after it averages
+            return
         self._last_parameter_check = step
         with reporting_lost_peers(step, "comparing parameter checksums", self._group):
             self._check_parameters(step, joined)
@@ -373,41 +368,14 @@ class DistributedDataParallel(nn.Module):
             self._check_parameters(self.synchronised_steps, joined=False)
 
     def _check_parameters(self, step: int, joined: bool) -> None:
-        params = list(self.module.parameters())
-        sums = _bit_sums(params)
-        first = sum(sums) % _CHECKSUM_MODULUS
-        weighted = sum((i + 1) * s for i, s in enumerate(sums)) % _CHECKSUM_MODULUS
-        world = dist.get_world_size(self._group)
-        device = self._collective_device()
-        mine = torch.tensor([0 if joined else 1, first, weighted], dtype=torch.int64, device=device)
-        gathered = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine, group=self._group)
-        rows = [row.tolist() for row in gathered]
-        compared = [rank for rank in range(world) if rows[rank][0]]  # joined ranks keep stale parameters
-        if not compared:
-            return
-        reference = compared[0]
-        drifted = [rank for rank in compared if rows[rank][1:] != rows[reference][1:]]
-        if not drifted:
-            return
-        # Every rank knows; a second, larger gather finds the first parameter that differs.
-        mine_all = torch.tensor(sums, dtype=torch.int64, device=device)
-        every_sum = [torch.empty_like(mine_all) for _ in range(world)]
-        dist.all_gather(every_sum, mine_all, group=self._group)
-        names = [name for name, _ in self.module.named_parameters()]
-        per_rank = [row.tolist() for row in every_sum]
-        first_diff = next(
-            (names[i] for i in range(len(names)) if any(per_rank[r][i] != per_rank[reference][i] for r in drifted)),
-            "?",
-        )
-        to_global = lambda rank: dist.get_global_rank(self._group, rank)  # noqa: E731
-        raise ParameterDriftError(
-            f"gradcomm.DistributedDataParallel(check_parameters_every={self.check_parameters_every}): after "
-            f"{step} synchronised steps the parameters of rank(s) {[to_global(r) for r in drifted]} differ "
-            f"from rank {to_global(reference)}'s (first differing parameter: {first_diff!r}). Replicas must "
-            "stay identical; something changed parameters on some ranks only (an update outside the DDP, a "
-            "rank-dependent re-initialisation, a hook that does not average, a non-deterministic kernel). "
-            "Fix the cause and resume from the last checkpoint."
+        check_same_parameters(
+            list(self.module.named_parameters()),
+            self._group,
+            f"gradcomm.DistributedDataParallel(check_parameters_every={self.check_parameters_every})",
+            f"after {step} synchronised steps",
+            take_part=not joined,  # a joined rank keeps stale parameters until the end of join()
+            advice=" A hook that leaves replicas different on purpose declares it (see "
+            "gradcomm.hook_contract.replicas_may_differ); check_parameters_every=0 turns this check off.",
         )
 
     @contextmanager

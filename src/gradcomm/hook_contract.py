@@ -22,7 +22,15 @@ import torch.distributed as dist
 from .faults import is_communication_failure, lost_contact, rank_and_step
 from .grad_bucket import GradBucket
 
-__all__ = ["DEFAULT_HOOK_NAME", "CommHookError", "call_hook", "check_hook", "hook_name", "hook_result"]
+__all__ = [
+    "DEFAULT_HOOK_NAME",
+    "CommHookError",
+    "call_hook",
+    "check_hook",
+    "hook_name",
+    "hook_result",
+    "replicas_may_differ",
+]
 
 DEFAULT_HOOK_NAME = "default allreduce (no hook registered)"
 
@@ -163,4 +171,46 @@ def _describe(annotation: Any) -> str:
     return annotation if isinstance(annotation, str) else getattr(annotation, "__qualname__", repr(annotation))
 
 
-# -- the same setup on every rank -------------------------------------------------------------------------
+# -- hooks that leave replicas different on purpose ----------------------------------------------------------
+def _torch_declarations() -> dict[Callable[..., Any], Callable[[Any], bool]]:
+    """torch's own hooks that leave replicas different, with the same predicates as gradcomm's."""
+    try:
+        from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, post_localSGD_hook
+    except ImportError:
+        return {}
+    return {
+        debugging_hooks.noop_hook: lambda state: True,
+        post_localSGD_hook.post_localSGD_hook: lambda state: state.iter >= state.start_localSGD_iter,
+    }
+
+
+def replicas_may_differ(hook: CommHook | None, state: Any) -> bool:
+    """Whether ``hook`` may leave the ranks' replicas different on purpose at its state's current iteration.
+
+    Most hooks average, so replicas stay identical and the DDP's periodic parameter check applies. A hook
+    that does not (no communication, local SGD between model averagings) declares it with an attribute
+    ``replicas_may_differ(state) -> bool``; the DDP then skips its check while that is true, and the model
+    averager checks right after it averages instead. A wrapper (``fp16_compress_wrapper(hook)``) inherits
+    the declaration of the hook it wraps. torch's ``noop_hook`` and ``post_localSGD_hook`` are known.
+    """
+    if hook is None:
+        return False
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    declared = getattr(hook, "replicas_may_differ", None)
+    if declared is None:
+        declared = _torch_declarations().get(hook)
+    if declared is None:
+        wrapped = [value for value in _closure_values(hook) if callable(value) and value is not hook]
+        return any(replicas_may_differ(inner, state) for inner in wrapped)
+    return bool(declared(state))
+
+
+def _closure_values(function: Any) -> list[Any]:
+    values = []
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    return values

@@ -39,7 +39,15 @@ from .agreement import check_same_on_all_ranks, hook_fingerprint
 from .bucketing import assign_buckets, bucket_size_limits
 from .faults import NonFiniteGradientError, PeerLostError, reporting_lost_peers
 from .grad_bucket import GradBucket
-from .hook_contract import DEFAULT_HOOK_NAME, CommHook, call_hook, check_hook, hook_name, hook_result
+from .hook_contract import (
+    DEFAULT_HOOK_NAME,
+    CommHook,
+    call_hook,
+    check_hook,
+    hook_name,
+    hook_result,
+    replicas_may_differ,
+)
 from .telemetry import CommStats
 
 __all__ = ["Reducer"]
@@ -237,6 +245,10 @@ class Reducer:
             self._rebuild_buckets(list(layout["order"]), broadcast=False)
             self._rebuild_done, self._rebuild_order, self._ready_order = True, None, []
 
+    def replicas_may_differ(self) -> bool:
+        """Whether the registered hook leaves the replicas different on purpose at this point."""
+        return replicas_may_differ(self._hook, self._hook_state)
+
     def check_usable(self) -> None:
         """Raise if an earlier synchronised step failed on this rank: the ranks may be out of step."""
         if self._failure is not None:
@@ -277,6 +289,18 @@ class Reducer:
             with reporting_lost_peers(self._synced_backwards, "rebuilding buckets", self._group):
                 self._rebuild_buckets(self._rebuild_order, source_rank=source_rank)
             self._rebuild_order = None
+
+    def arm_for_forward(self) -> None:
+        """Arm the reducer for a backward that runs inside the module's forward.
+
+        Lightning's manual optimization (and any ``training_step`` called through the DDP's forward) runs
+        backward before the forward returns: that backward must be synchronised like any other. There is no
+        output yet to search for unused parameters, so under ``find_unused_parameters`` the parameters it
+        has not reached by its end are treated as unused then (their buckets launch last, without overlap).
+        """
+        self._reset_iteration()
+        self._armed = True
+        self._unused_at_end = self._find_unused
 
     def prepare_for_backward(self, outputs: Any) -> None:
         """Arm the reducer for the backward of ``outputs``."""
@@ -325,6 +349,7 @@ class Reducer:
         self._next_bucket = 0
         self._callback_queued = False
         self._unused: list[int] = []
+        self._unused_at_end = False
         self._locally_used = torch.zeros(len(self._params), dtype=torch.int32) if self._find_unused else None
 
     def _on_grad_ready(self, index: int) -> None:
@@ -375,10 +400,24 @@ class Reducer:
                 self.stats.add_bucket(bucket.buffer.numel() * bucket.buffer.element_size())
                 self.stats.remember_input(bucket.index, bucket.buffer, averaged=self._hook is None)
                 with self.stats.timing_hook():
-                    self._futures[bucket.index] = self._launch(bucket, bucket.grad_bucket())
+                    future = self._launch(bucket, bucket.grad_bucket())
+                self._futures[bucket.index] = future
                 self._next_bucket += 1
+                if future.done():  # if it failed, stop before the next bucket's collectives are launched
+                    self._raise_if_failed(bucket, future)
         except BaseException as exc:
             self._fail(exc)
+            raise
+
+    def _raise_if_failed(self, bucket: _Bucket, future: torch.futures.Future) -> None:
+        """Raise if the completed ``future`` of ``bucket`` failed, naming the first launched bucket that did."""
+        step = self._synced_backwards
+        try:
+            hook_result(self._hook_name, future, bucket.index, bucket.buffer, step, self._group)
+        except BaseException:
+            for earlier in self._buckets[: bucket.index]:
+                if self._futures[earlier.index].done():
+                    hook_result(self._hook_name, self._futures[earlier.index], earlier.index, earlier.buffer, step, self._group)
             raise
 
     def _launch(self, bucket: _Bucket, grad_bucket: GradBucket) -> torch.futures.Future:
@@ -418,6 +457,10 @@ class Reducer:
         step = self._synced_backwards
         peer_lost = False
         try:
+            if self._unused_at_end:
+                for index in range(len(self._params)):
+                    if not self._ready[index]:
+                        self._mark_ready(index)
             if self._next_bucket < len(self._buckets):
                 self._unfinished = [self._names[i] for i in range(len(self._params)) if not self._ready[i]]
                 return

@@ -91,8 +91,15 @@ class PostLocalSGDState(HookState):
         start_localSGD_iter: int,
         post_local_gradient_allreduce: bool = True,
     ) -> None:
+        if isinstance(start_localSGD_iter, bool) or not isinstance(start_localSGD_iter, int):
+            raise TypeError(f"PostLocalSGDState: start_localSGD_iter must be an integer, got {start_localSGD_iter!r}")
         if start_localSGD_iter < 0:
             raise ValueError(f"PostLocalSGDState: start_localSGD_iter must be >= 0, got {start_localSGD_iter}")
+        if subgroup is not None and not isinstance(subgroup, ProcessGroup):
+            raise TypeError(
+                f"PostLocalSGDState: subgroup must be a ProcessGroup or None (the intra-node subgroup), got "
+                f"{subgroup!r}"
+            )
         logger.info("Local SGD will be started after %s iterations", start_localSGD_iter)
         self.process_group = process_group
         if subgroup is None and post_local_gradient_allreduce:
@@ -189,3 +196,11 @@ def post_localSGD_hook(state: PostLocalSGDState, bucket: dist.GradBucket) -> tor
         local.set_result(buffer)
         return local
     return _allreduce_mean(state.post_local_group(), buffer)
+
+
+def _in_local_phase(state: PostLocalSGDState) -> bool:
+    """After the warm-up the replicas differ until a model averager averages them."""
+    return state.iter >= state.start_localSGD_iter
+
+
+post_localSGD_hook.replicas_may_differ = _in_local_phase  # type: ignore[attr-defined]

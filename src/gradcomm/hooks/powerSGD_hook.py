@@ -101,14 +101,20 @@ class _Slot:
         self.launch: Launch | None = None
         self.future: torch.futures.Future[torch.Tensor] = _new_future(device)
 
-    def run(self) -> None:
+    def run(self) -> BaseException | None:
+        """Launch the collective; return the exception if launching it failed."""
         assert self.launch is not None
         try:
             collective = self.launch()
         except BaseException as exc:
-            self.future.set_exception(exc)
-            return
+            self.fail(exc)
+            return exc
         collective.then(self._complete)
+        return None
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
 
     def _complete(self, collective: torch.futures.Future[torch.Tensor]) -> None:
         try:
@@ -127,6 +133,11 @@ class _OrderedLauncher:
     different moments on different ranks. Reserving every slot in hook-call order and launching only from
     the head of the queue keeps the order identical on all ranks without blocking.
 
+    A slot that cannot be launched (its input failed, or launching raised) stops the launcher for good:
+    the slots after it would pair with its peers' version of the missing collective, so they fail without
+    launching, and so does every later one. The peers then wait for a collective this rank never enters and
+    fail when the process group's timeout passes, instead of exchanging mismatched data.
+
     DDP may issue collectives of its own right after the last bucket's hook returns (the map of used
     parameters, with ``find_unused_parameters=True``): :meth:`wait_until_launched` holds that last hook call
     until all of the iteration's collectives are launched, so DDP's come after them on every rank.
@@ -137,11 +148,14 @@ class _OrderedLauncher:
         self._all_launched = threading.Condition(self._lock)
         self._queue: deque[_Slot] = deque()
         self._draining = False
+        self._stopped_by: BaseException | None = None
 
     def reserve(self, device: torch.device) -> _Slot:
         slot = _Slot(device)
         with self._lock:
             self._queue.append(slot)
+            if self._stopped_by is not None:
+                self._drain()
         return slot
 
     def release(self, slot: _Slot, launch: Launch) -> None:
@@ -155,25 +169,43 @@ class _OrderedLauncher:
         return slot.future
 
     def cancel(self, slot: _Slot, error: BaseException) -> None:
+        """``slot`` will never be launched (``error`` says why): fail it and stop the launcher."""
         with self._lock:
             if slot in self._queue:
                 self._queue.remove(slot)
-        slot.future.set_exception(error)
-        with self._lock:
+            slot.fail(error)
+            self._stop(error)
             self._drain()
 
     def wait_until_launched(self) -> None:
-        """Block until every reserved collective is launched (not finished)."""
+        """Block until every reserved collective is launched or failed (not finished)."""
         with self._all_launched:
             self._all_launched.wait_for(lambda: not self._queue)
+
+    def _stop(self, error: BaseException) -> None:
+        if self._stopped_by is None:
+            self._stopped_by = error
+
+    def _not_launched(self) -> RuntimeError:
+        return RuntimeError(
+            "collective not launched: an earlier collective of this hook failed on this rank "
+            f"({type(self._stopped_by).__name__}: {self._stopped_by}), and launching later ones would pair "
+            "them with different collectives on the other ranks"
+        )
 
     def _drain(self) -> None:
         if self._draining:  # a collective completed inline, inside run(): the loop below continues
             return
         self._draining = True
         try:
-            while self._queue and self._queue[0].launch is not None:
-                self._queue.popleft().run()
+            while self._queue and (self._stopped_by is not None or self._queue[0].launch is not None):
+                slot = self._queue.popleft()
+                if self._stopped_by is not None:
+                    slot.fail(self._not_launched())
+                    continue
+                error = slot.run()
+                if error is not None:
+                    self._stop(error)
         finally:
             self._draining = False
         if not self._queue:
@@ -235,8 +267,40 @@ class PowerSGDState(HookState):
         compression_stats_logging_frequency: int = 10_000,
         batch_tensors_with_same_shape: bool = False,
     ) -> None:
+        # Checked here, before any rank trains: the registry and `gradcomm bench` build a state without a
+        # process group to refuse bad values up front, so this is the one place that knows the valid ranges.
+        whole = {
+            "matrix_approximation_rank": matrix_approximation_rank,
+            "start_powerSGD_iter": start_powerSGD_iter,
+            "random_seed": random_seed,
+            "compression_stats_logging_frequency": compression_stats_logging_frequency,
+        }
+        for name, value in whole.items():
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"PowerSGDState: {name} must be an integer, got {value!r}")
         if matrix_approximation_rank < 1:
-            raise ValueError(f"matrix_approximation_rank must be at least 1, got {matrix_approximation_rank}")
+            raise ValueError(
+                f"PowerSGDState: matrix_approximation_rank must be at least 1, got {matrix_approximation_rank}"
+            )
+        if start_powerSGD_iter < 0:
+            raise ValueError(f"PowerSGDState: start_powerSGD_iter must be at least 0, got {start_powerSGD_iter}")
+        if not min_compression_rate >= 0:
+            raise ValueError(
+                f"PowerSGDState: min_compression_rate must be a number >= 0 (0: compress every matrix), got "
+                f"{min_compression_rate!r}"
+            )
+        if not 0 <= orthogonalization_epsilon < math.inf:
+            raise ValueError(
+                f"PowerSGDState: orthogonalization_epsilon must be a finite number >= 0, got "
+                f"{orthogonalization_epsilon!r}"
+            )
+        if not 0 <= random_seed < 2**32:
+            raise ValueError(f"PowerSGDState: random_seed must be in 0..2**32-1 (NumPy's range), got {random_seed}")
+        if compression_stats_logging_frequency < 0:
+            raise ValueError(
+                "PowerSGDState: compression_stats_logging_frequency must be >= 0 (0 and 1 both log every "
+                f"iteration), got {compression_stats_logging_frequency}"
+            )
         if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
             raise ValueError(
                 "Expect `start_powerSGD_iter` > 1 if `use_error_feedback` or `warm_start` is enabled, "
@@ -607,7 +671,11 @@ class _Plan:
 
 
 def _plan(state: PowerSGDState, layout: Layout) -> _Plan:
-    """Torch's choice and order: compressed matrices grouped by shape, shapes in order of first appearance."""
+    """Torch's choice and order: compressed matrices grouped by shape, shapes in order of first appearance.
+
+    A tensor with no rows or columns (a 0-dim scalar, an empty tensor) has rank 0 and goes with the
+    uncompressed ones; torch's hook fails on 0-dim tensors with an IndexError.
+    """
     by_shape: dict[tuple[int, int, int], list[int]] = {}
     uncompressed: list[tuple[int, int]] = []
     offset = before = after = 0
@@ -618,7 +686,7 @@ def _plan(state: PowerSGDState, layout: Layout) -> _Plan:
         m = numel // n if n > 0 else 0
         rank = min(n, m, state.matrix_approximation_rank)
         compressed_numel = (n + m) * rank
-        if numel > 0 and compressed_numel * state.min_compression_rate < numel:
+        if rank > 0 and compressed_numel * state.min_compression_rate < numel:
             by_shape.setdefault((n, m, rank), []).append(offset)
             after += compressed_numel
         else:
