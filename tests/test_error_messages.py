@@ -59,6 +59,52 @@ def test_bench_option_and_torchrun_messages(capsys: pytest.CaptureFixture, monke
     )
 
 
+def test_hook_state_constructors_name_the_option_and_its_range() -> None:
+    from gradcomm.compression import QSGD, TernGrad, TopK
+    from gradcomm.hooks.compression_hook import CompressionState
+    from gradcomm.hooks.post_localSGD_hook import PostLocalSGDState
+    from gradcomm.hooks.powerSGD_hook import PowerSGDState
+
+    with pytest.raises(TypeError, match=r"^PowerSGDState: random_seed must be an integer, got 1\.0$"):
+        PowerSGDState(None, random_seed=1.0)
+    with pytest.raises(ValueError, match=r"^PowerSGDState: orthogonalization_epsilon must be a finite number >= 0, got inf$"):
+        PowerSGDState(None, orthogonalization_epsilon=float("inf"))
+    with pytest.raises(ValueError, match=r"^PowerSGDState: start_powerSGD_iter must be at least 0, got -2$"):
+        PowerSGDState(None, start_powerSGD_iter=-2, use_error_feedback=False, warm_start=False)
+    with pytest.raises(TypeError, match=r"^QSGD: bucket_size must be an integer, got 0\.5$"):
+        QSGD(bucket_size=0.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^TernGrad: clip must be a number > 0 \(standard deviations\) or None, got nan$"):
+        TernGrad(clip=float("nan"))
+    with pytest.raises(ValueError, match=r"^CompressionState: min_numel must be at least 0, got -1$"):
+        CompressionState(TopK(), min_numel=-1)
+    with pytest.raises(TypeError, match=r"^CompressionState: compressor must be a Compressor, got str$"):
+        CompressionState("topk")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^PostLocalSGDState: start_localSGD_iter must be an integer, got 1\.5$"):
+        PostLocalSGDState(None, None, 1.5)  # type: ignore[arg-type]
+
+
+def test_bench_under_torchrun_refuses_bad_input_before_the_rendezvous(
+    tmp_path: Any, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_rendezvous(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("init_process_group was called before the input was checked")
+
+    monkeypatch.setattr(dist, "init_process_group", no_rendezvous)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    (tmp_path / "taken").write_text("")
+    assert main(["bench", "--output", str(tmp_path / "taken")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"gradcomm bench: error: --output {tmp_path / 'taken'} is not a folder; give a folder path (it is created "
+        "if missing)"
+    )
+    assert main(["bench", "--hooks", "topk:ratio=2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "gradcomm bench: error: communication hook 'topk': TopK: ratio must be in (0, 1], got 2.0"
+    )
+
+
 def _frozen() -> nn.Module:
     module = nn.Linear(4, 2)
     module.requires_grad_(False)

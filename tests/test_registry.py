@@ -18,6 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import DDPCommHookType
 from gradcomm.hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from gradcomm.hooks.registry import (
     CommHookType,
+    check_options,
     get_hook,
     hook_names,
     make_comm_hook,
@@ -206,6 +207,72 @@ def test_unknown_options_name_the_hook_and_its_valid_options():
         make_comm_hook("post_localsgd", start_localSGD_iter=1, post_local_gradient_allreduce="maybe")
     with pytest.raises(ValueError, match="unknown hook wrapper 'fp8'; valid wrappers: fp16, bf16"):
         make_comm_hook("post_localsgd", wrapper="fp8", start_localSGD_iter=1, post_local_gradient_allreduce=False)
+
+
+# (hook, options as a command line gives them, what the state's constructor says); see test below.
+BAD_VALUES = [
+    ("powersgd", {"matrix_approximation_rank": "-1"}, r"PowerSGDState: matrix_approximation_rank must be at least 1, got -1"),
+    (
+        "batched_powersgd",
+        {"start_powerSGD_iter": "-1", "use_error_feedback": "no", "warm_start": "no"},
+        r"PowerSGDState: start_powerSGD_iter must be at least 0, got -1",
+    ),
+    ("powersgd", {"min_compression_rate": "-0.5"}, r"PowerSGDState: min_compression_rate must be a number >= 0"),
+    ("powersgd", {"orthogonalization_epsilon": "nan"}, r"orthogonalization_epsilon must be a finite number >= 0"),
+    ("powersgd", {"random_seed": "-1"}, r"PowerSGDState: random_seed must be in 0\.\.2\*\*32-1"),
+    ("powersgd", {"compression_stats_logging_frequency": "-5"}, r"compression_stats_logging_frequency must be >= 0"),
+    ("topk", {"ratio": "2"}, r"TopK: ratio must be in \(0, 1\], got 2\.0"),
+    ("topk", {"ratio": "nan"}, r"TopK: ratio must be in \(0, 1\], got nan"),
+    ("randomk", {"ratio": "0"}, r"RandomK: ratio must be in \(0, 1\], got 0\.0"),
+    ("qsgd", {"levels": "-3"}, r"QSGD: levels must be in 1\.\.127"),
+    ("qsgd", {"bucket_size": "-1"}, r"QSGD: bucket_size must be at least 1, got -1"),
+    ("terngrad", {"clip": "-1"}, r"TernGrad: clip must be a number > 0"),
+    ("terngrad", {"clip": "nan"}, r"TernGrad: clip must be a number > 0"),
+    ("efsign", {"min_numel": "-1"}, r"CompressionState: min_numel must be at least 0, got -1"),
+    ("signsgd", {"min_compression_rate": "-2"}, r"CompressionState: min_compression_rate must be a number >= 0"),
+    ("signsgd", {"error_feedback": "yes"}, r"SignSGD does not support error feedback"),
+    ("post_localsgd", {"start_localSGD_iter": "-1"}, r"PostLocalSGDState: start_localSGD_iter must be >= 0, got -1"),
+]
+
+
+@pytest.mark.parametrize(("name", "options", "message"), BAD_VALUES, ids=lambda v: str(v)[:40])
+def test_option_values_are_refused_by_the_constructor_before_any_process_group(name, options, message):
+    """check_options (what a launcher calls before starting ranks) and make_comm_hook say the same."""
+    assert not dist.is_initialized()
+    expected = rf"^communication hook '{name}': .*{message}"
+    with pytest.raises(ValueError, match=expected) as checked:
+        check_options(name, **options)
+    with pytest.raises(ValueError, match=expected) as made:
+        make_comm_hook(name, **options)
+    assert str(checked.value) == str(made.value)
+    with pytest.raises(ValueError, match=expected):
+        register_comm_hook_by_name(_FakeModel(), name, **options)
+
+
+def test_option_types_the_constructor_refuses_are_type_errors_naming_the_hook():
+    with pytest.raises(TypeError, match=r"^communication hook 'powersgd': PowerSGDState: matrix_approximation_rank "
+                       r"must be an integer, got 1\.5"):
+        make_comm_hook("powersgd", matrix_approximation_rank=1.5)
+    with pytest.raises(TypeError, match=r"^communication hook 'post_localsgd': PostLocalSGDState: subgroup must be "
+                       r"a ProcessGroup or None"):
+        check_options("post_localsgd", start_localSGD_iter="1", subgroup="intra-node")
+
+
+def test_check_options_builds_no_process_group_and_converts():
+    """Valid values pass without a process group, post_localsgd's intra-node subgroups included."""
+    assert not dist.is_initialized()
+    assert check_options("post_localsgd", start_localSGD_iter="3") == {"start_localSGD_iter": 3, "subgroup": None}
+    assert check_options("powersgd", matrix_approximation_rank="4", use_error_feedback="off") == {
+        "matrix_approximation_rank": 4,
+        "use_error_feedback": False,
+    }
+    assert check_options("qsgd", levels="3", bucket_size="64", min_numel="0") == {
+        "levels": 3,
+        "bucket_size": 64,
+        "min_numel": 0,
+    }
+    assert check_options("allreduce") == {}
+    assert not dist.is_initialized()
 
 
 class _FakeModel:

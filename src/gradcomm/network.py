@@ -56,8 +56,9 @@ Latency. ``latency_s`` is the one-way delay between any two ranks: a packet from
 
 Clean-up. Namespace names carry the owner's pid and a per-process counter (``gc<pid>-<n>-...``), so parallel
 runs never collide. :meth:`ShapedNetwork.close` removes everything; it runs on ``__exit__``, at interpreter
-exit and on SIGINT/SIGTERM (then the previous handler runs); :func:`remove_stale_networks` removes what a
-killed process left behind (the relay exits by itself when its owner dies).
+exit and on SIGINT/SIGTERM (then the previous handler runs); :func:`remove_stale_networks`, which
+``gradcomm bench`` calls before it builds a network, removes what a killed process left behind (the relay
+exits by itself when its owner dies).
 
 Requirements: root (or CAP_NET_ADMIN and CAP_SYS_ADMIN), ``ip`` and ``tc`` from iproute2, and a kernel with
 network namespaces, veth, bridge and tbf; :func:`check_network_privileges` says what is missing.
@@ -819,7 +820,10 @@ def _rank_mac(rank: int) -> str:
 def remove_stale_networks() -> list[str]:
     """Remove namespaces left by dead processes (owner pid, encoded in the name, no longer running).
 
-    Only names of the form ``gc<pid>-<n>-{br,probe,r<i>}`` are considered. Returns the names removed.
+    Only names of the form ``gc<pid>-<n>-{br,probe,r<i>}`` are considered. Processes still inside one (ranks
+    of a launcher killed before it could end them) are killed first: a namespace, with its veth pairs and
+    bridge, lives on while a process is in it, even once its name is removed. ``gradcomm bench`` calls this
+    before it builds a network. Returns the names removed.
     """
     removed = []
     for name in _existing_namespaces():
@@ -830,6 +834,12 @@ def remove_stale_networks() -> list[str]:
         if pid == os.getpid() or _pid_alive(pid):
             continue
         try:
+            for inside in _run(f"ip netns pids {name}", what="list processes in a stale namespace").split():
+                try:
+                    os.kill(int(inside), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                log.info("network: killed process %s left in stale namespace %s", inside, name)
             _run(f"ip netns delete {name}", what="remove a stale network namespace")
         except NetworkSetupError as exc:
             log.warning("network: %s", exc)

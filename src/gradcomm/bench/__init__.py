@@ -1,5 +1,6 @@
 """``gradcomm bench``: train a real workload once per hook on N ranks and compare them.
 
 :mod:`~gradcomm.bench.workloads` holds the models and data, :mod:`~gradcomm.bench.runner` what each rank
-does, :mod:`~gradcomm.bench.report` the table and files, and :mod:`~gradcomm.bench.cli` the command line.
+does, :mod:`~gradcomm.bench.launch` starts, watches and ends the local rank processes,
+:mod:`~gradcomm.bench.report` the table and files, and :mod:`~gradcomm.bench.cli` the command line.
 """

@@ -3,12 +3,19 @@
 Locally it spawns ``--world-size`` gloo ranks (optionally each in its own network namespace behind a link
 shaped to ``--bandwidth``); launched by torchrun it joins the env:// rendezvous instead, using NCCL and the
 LOCAL_RANK GPU where there is one. Every failure ends in one line on stderr and a non-zero exit.
+
+A run loses nothing and leaves nothing: every argument, hook option and the output folder are checked before
+a rank starts (exit 2); the ranks' own output goes to ``<output>/logs/rank<i>.log``
+(:mod:`gradcomm.bench.launch`); Ctrl-C or a failed rank ends every rank and namespace at once, and a run
+with ``--bandwidth`` first removes the namespaces a killed run left behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
+import math
 import os
 import queue
 import sys
@@ -19,7 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .runner import BENCH_OPTION_DEFAULTS, BenchConfig, HookChoice
+from .runner import BENCH_OPTION_DEFAULTS, BenchConfig, HookChoice, hook_options
 from .workloads import WORKLOADS
 
 __all__ = ["DEFAULT_HOOKS", "add_arguments", "run"]
@@ -72,13 +79,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="process-group timeout: a collective waiting longer fails its rank")
 
 
-def _config(args: argparse.Namespace, world_size: int, device: str) -> BenchConfig:
-    if args.workload not in WORKLOADS:
-        raise BenchError(f"unknown workload {args.workload!r}; valid workloads: {', '.join(WORKLOADS)}")
+def _check_numbers(args: argparse.Namespace, world_size: int) -> None:
+    """Refuse numeric arguments that would fail, or mean nothing, only once the ranks run."""
     if world_size < 1:
         raise BenchError(f"--world-size must be at least 1, got {world_size}")
     if args.steps < 1:
         raise BenchError(f"--steps must be at least 1, got {args.steps}")
+    if args.warmup < 0:
+        raise BenchError(f"--warmup must be at least 0, got {args.warmup}")
+    positive = {"--timeout": args.timeout, "--collective-timeout": args.collective_timeout}
+    if args.bucket_cap_mb is not None:
+        positive["--bucket-cap-mb"] = args.bucket_cap_mb
+    for flag, value in positive.items():
+        if not 0 < value < math.inf:
+            raise BenchError(f"{flag} must be a number > 0, got {value:g}")
+    if not 0 <= args.lr < math.inf:
+        raise BenchError(f"--lr must be a number >= 0, got {args.lr:g}")
+    import torch
+
+    try:
+        torch.Generator().manual_seed(args.seed)
+    except (RuntimeError, ValueError):
+        raise BenchError(f"--seed must be in -2**63..2**64-1 (torch's range), got {args.seed}") from None
+
+
+def _config(args: argparse.Namespace, world_size: int, device: str) -> BenchConfig:
+    from ..hooks.registry import check_options
+
+    if args.workload not in WORKLOADS:
+        raise BenchError(f"unknown workload {args.workload!r}; valid workloads: {', '.join(WORKLOADS)}")
+    _check_numbers(args, world_size)
     try:
         hooks = [HookChoice.parse(text) for text in args.hooks]
     except ValueError as exc:
@@ -87,12 +117,30 @@ def _config(args: argparse.Namespace, world_size: int, device: str) -> BenchConf
         raise BenchError("--hooks names no hook")
     defaults: dict[str, Any] = dict(BENCH_OPTION_DEFAULTS)
     if args.powersgd_rank is not None:
+        try:
+            check_options("powersgd", matrix_approximation_rank=args.powersgd_rank)
+        except ValueError as exc:
+            raise BenchError(f"--powersgd-rank: {exc}") from None
         defaults["matrix_approximation_rank"] = str(args.powersgd_rank)
+    given = []
     for item in args.hook_option:
         key, sep, value = item.partition("=")
-        if not sep:
+        if not sep or not key.strip():
             raise BenchError(f"--hook-option {item!r} is not KEY=VALUE")
         defaults[key.strip()] = value.strip()
+        given.append(key.strip())
+    accepted = {name for choice in hooks for name in hook_options(choice.name)}
+    unused = [key for key in given if key not in accepted]
+    if unused:
+        raise BenchError(
+            f"--hook-option {unused[0]!r} is an option of none of the chosen hooks "
+            f"({', '.join(choice.label for choice in hooks)}); they take: {', '.join(sorted(accepted)) or 'none'}"
+        )
+    for choice in hooks:
+        try:
+            choice.checked_options(defaults)
+        except (ValueError, TypeError, ImportError) as exc:
+            raise BenchError(str(exc)) from None
     return BenchConfig(
         workload=args.workload,
         hooks=hooks,
@@ -120,6 +168,35 @@ def run(args: argparse.Namespace) -> int:
         return 130
 
 
+def _output_folder(path: Path | None) -> Path:
+    """The output folder, checked to be creatable and writable: a finished run must be able to save itself.
+
+    It is not created here, so that a run refused for another reason leaves nothing behind. A folder that
+    already holds results is refused: they would be overwritten.
+    """
+    output = path if path is not None else Path(f"gradcomm-bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    existing = output
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is not a folder" if existing == output else f"cannot be created: {existing} is not a folder"
+        raise BenchError(f"--output {output} {what}; give a folder path (it is created if missing)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise BenchError(f"--output {output}: {existing} is not writable; choose a folder you can write to")
+    if (output / "results.json").exists():
+        raise BenchError(
+            f"--output {output} already holds the results of a run (results.json); choose another folder"
+        )
+    return output
+
+
+def _create(output: Path) -> None:
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BenchError(f"--output {output} cannot be created: {exc.strerror or exc}") from None
+
+
 def _run_locally(args: argparse.Namespace) -> int:
     from ..network import (
         NetworkSetupError,
@@ -127,8 +204,9 @@ def _run_locally(args: argparse.Namespace) -> int:
         check_network_privileges,
         parse_duration,
         parse_rate,
+        remove_stale_networks,
     )
-    from ..testing import RankError, run_on_ranks
+    from .launch import RankFailure, run_ranks
     from .runner import bench_rank
 
     config = _config(args, args.world_size, "cpu")
@@ -143,27 +221,39 @@ def _run_locally(args: argparse.Namespace) -> int:
         raise BenchError(str(exc)) from None
     except NetworkSetupError as exc:
         raise BenchError(f"--bandwidth needs network namespaces: {exc}") from None
-    output = args.output or Path(f"gradcomm-bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    output = _output_folder(args.output)
+    if args.bandwidth is not None:
+        try:
+            remove_stale_networks()
+        except NetworkSetupError as exc:
+            raise BenchError(f"could not remove the namespaces of earlier runs: {exc}", status=1) from None
+    _create(output)
     import multiprocessing
 
     progress_queue = multiprocessing.get_context("spawn").Queue()
     try:
         with network as net, _progress(progress_queue, config) as _:
             placement = {} if net is None else {"namespaces": net.namespaces, "master_addr": net.master_addr}
-            runs = run_on_ranks(
+            runs = run_ranks(
                 bench_rank,
                 args.world_size,
                 args=(config, progress_queue),
+                log_dir=output / "logs",
                 timeout=args.timeout,
                 collective_timeout=args.collective_timeout,
                 **placement,
             )
     except NetworkSetupError as exc:
         raise BenchError(f"could not set up the shaped network: {exc}", status=1) from None
-    except RankError as exc:
-        output.mkdir(parents=True, exist_ok=True)
-        (output / "error.log").write_text(str(exc))
-        raise BenchError(f"{_one_line(exc)} (full report: {output / 'error.log'})", status=1) from None
+    except RankFailure as exc:
+        error_log = output / "error.log"
+        try:
+            error_log.write_text(exc.report)
+        except OSError as write_error:
+            raise BenchError(f"{exc} (the full report could not be written: {write_error})", status=1) from None
+        raise BenchError(f"{exc} (full report: {error_log})", status=1) from None
+    finally:
+        progress_queue.close()
     _report(args, config, runs, output, rate)
     return 0
 
@@ -178,16 +268,20 @@ def _run_under_torchrun(args: argparse.Namespace) -> int:
         raise BenchError("--bandwidth shapes local namespaced ranks; under torchrun the real network is measured")
     local_rank = int(os.environ["LOCAL_RANK"])
     device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    # Checked on every rank before the rendezvous: a refusal ends them all, and torchrun ends the job.
+    config = _config(args, int(os.environ["WORLD_SIZE"]), device)
+    output = _output_folder(args.output) if os.environ["RANK"] == "0" else None
     if device.startswith("cuda"):
         torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    dist.init_process_group(
+        "nccl" if device.startswith("cuda") else "gloo", timeout=datetime.timedelta(seconds=args.collective_timeout)
+    )
     try:
-        config = _config(args, dist.get_world_size(), device)
         runs = bench_rank(config)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, runs)
-        if dist.get_rank() == 0:
-            output = args.output or Path(f"gradcomm-bench-{time.strftime('%Y%m%d-%H%M%S')}")
+        if output is not None:
+            _create(output)
             _report(args, config, gathered, output, None)
     finally:
         dist.destroy_process_group()
@@ -211,7 +305,10 @@ def _report(
     }
     link = f" behind {args.bandwidth} links" if args.bandwidth else ""
     print_table(summaries, f"{config.workload}, {len(runs)} ranks{link}, {config.steps} steps per hook")
-    paths = write_outputs(output, described, runs, summaries)
+    try:
+        paths = write_outputs(output, described, runs, summaries)
+    except OSError as exc:
+        raise BenchError(f"could not write the results to {output}: {exc}", status=1) from None
     print(f"results written to {output}/ ({', '.join(p.name for p in paths.values())})")
 
 
@@ -249,11 +346,3 @@ class _progress:
         self.stop.set()
         self.thread.join(timeout=2)
         self.bar.stop()
-
-
-def _one_line(error: BaseException) -> str:
-    lines = str(error).splitlines()
-    first = lines[0] if lines else type(error).__name__
-    detail = next((line for line in lines[1:] if line.strip() and not line.startswith(" ")), "")
-    return f"{first} {detail}".strip()
-

@@ -15,6 +15,7 @@ bucket rebuild and, for PowerSGD, its allreduce warm-up iterations.
 from __future__ import annotations
 
 import copy
+import logging
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,7 +30,9 @@ from ..distributed import DistributedDataParallel
 from ..hooks.registry import check_options, make_comm_hook, resolve_hook_name
 from .workloads import WORKLOADS, Workload
 
-__all__ = ["BenchConfig", "HookChoice", "HookRun", "bench_rank"]
+__all__ = ["BenchConfig", "HookChoice", "HookRun", "bench_rank", "hook_options"]
+
+logger = logging.getLogger(__name__)
 
 # Options the bench sets for every hook that accepts them, unless the hook choice sets them itself.
 BENCH_OPTION_DEFAULTS = {"start_powerSGD_iter": 10}
@@ -51,7 +54,7 @@ class HookChoice:
             if not sep or not key.strip():
                 raise ValueError(f"hook option {item!r} in {text!r} is not key=value")
             options.append((key.strip(), value.strip()))
-        check_options(name, **dict(options))  # unknown names and options fail here, listing the valid ones
+        resolve_hook_name(name)  # an unknown name fails here, listing the valid ones
         return cls(name.strip(), tuple(options))
 
     @property
@@ -62,11 +65,25 @@ class HookChoice:
         return f"{self.name}({', '.join(f'{shown.get(k, k)}={v}' for k, v in self.options)})"
 
     def with_defaults(self, defaults: dict[str, Any]) -> dict[str, Any]:
-        """This choice's options over the bench defaults that its hook accepts."""
-        accepted = set(resolve_hook_name(self.name).value.option_names)
-        merged = {k: v for k, v in defaults.items() if k in accepted}
+        """This choice's options over the bench defaults that its hook accepts and does not fix itself."""
+        merged = {k: v for k, v in defaults.items() if k in hook_options(self.name)}
         merged.update(self.options)
         return merged
+
+    def checked_options(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`with_defaults`, converted and checked as the ranks' ``make_comm_hook`` will.
+
+        Raises:
+            ValueError, TypeError, ImportError: as :func:`gradcomm.hooks.registry.check_options`.
+        """
+        return check_options(self.name, **self.with_defaults(defaults))
+
+
+def hook_options(name: str) -> tuple[str, ...]:
+    """The options the hook called ``name`` accepts, less those its registry entry fixes (presets)."""
+    spec = resolve_hook_name(name).value
+    fixed = dict(spec.presets)
+    return tuple(option for option in spec.option_names if option not in fixed)
 
 
 @dataclass
@@ -151,7 +168,9 @@ def run_hook(
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(config.seed)
     model = workload.build_model()
+    logger.info("%s: measuring the compute time on this rank alone", choice.label)
     compute = _compute_seconds(workload, model, choice, config, solo_group)
+    logger.info("%s: training %d steps on %d ranks", choice.label, config.steps, world_size)
     ddp = _wrapped(workload, model, choice, config, None)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=config.lr)
     stats = ddp.comm_stats()
@@ -170,6 +189,7 @@ def run_hook(
     averaged = torch.tensor(losses, dtype=torch.float64, device=config.device)
     dist.all_reduce(averaged)
     final_loss, final_metric = workload.evaluate(ddp.module)
+    logger.info("%s: done; final loss %.4f, %s %.4f", choice.label, final_loss, workload.metric_name, final_metric)
     return HookRun(
         label=choice.label,
         hook=choice.name,

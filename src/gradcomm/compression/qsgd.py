@@ -31,10 +31,13 @@ class QSGD(RandomizedCompressor):
     error_feedback = ErrorFeedback.OPTIONAL
 
     def __init__(self, levels: int = 7, bucket_size: int = 512, seed: int = 0):
+        for name, value in (("levels", levels), ("bucket_size", bucket_size)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"QSGD: {name} must be an integer, got {value!r}")
         if not 1 <= levels <= 127:
             raise ValueError(f"QSGD: levels must be in 1..127 (codes of at most 8 bits), got {levels}")
         if bucket_size < 1:
-            raise ValueError(f"QSGD: bucket_size must be positive, got {bucket_size}")
+            raise ValueError(f"QSGD: bucket_size must be at least 1, got {bucket_size}")
         super().__init__(seed)
         self.levels = levels
         self.bucket_size = bucket_size

@@ -31,8 +31,8 @@ class TernGrad(RandomizedCompressor):
     error_feedback = ErrorFeedback.OPTIONAL
 
     def __init__(self, clip: float | None = 2.5, seed: int = 0):
-        if clip is not None and clip <= 0:
-            raise ValueError(f"TernGrad: clip must be positive or None, got {clip}")
+        if clip is not None and not clip > 0:
+            raise ValueError(f"TernGrad: clip must be a number > 0 (standard deviations) or None, got {clip!r}")
         super().__init__(seed)
         self.clip = clip
 

@@ -63,6 +63,17 @@ class CompressionState(HookState):
         min_compression_rate: float = 2.0,
         min_numel: int = 1024,
     ):
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"CompressionState: compressor must be a Compressor, got {type(compressor).__name__}")
+        if not min_compression_rate >= 0:
+            raise ValueError(
+                f"CompressionState: min_compression_rate must be a number >= 0 (0: compress every gradient of "
+                f"min_numel elements or more), got {min_compression_rate!r}"
+            )
+        if isinstance(min_numel, bool) or not isinstance(min_numel, int):
+            raise TypeError(f"CompressionState: min_numel must be an integer, got {min_numel!r}")
+        if min_numel < 0:
+            raise ValueError(f"CompressionState: min_numel must be at least 0, got {min_numel}")
         self.compressor = compressor
         self.error_feedback = compressor.error_feedback.resolve(error_feedback, type(compressor).__name__)
         self.process_group = process_group

@@ -17,12 +17,19 @@ Names are lower case (``powersgd``, ``quantize_per_tensor``, ``post_localsgd``);
 Option values given as strings (from a command line) are converted to the option's type. The returned
 state is what was registered: the process group (``None`` for the default) for stateless hooks, the
 hook's state object otherwise; keep it to checkpoint it.
+
+Option *values* are checked by the state's constructor (``PowerSGDState``, ``CompressionState`` and the
+compressors, ``PostLocalSGDState``), the one place that knows their valid ranges. :func:`check_options`
+builds the state without a process group to get the same errors before any process group exists, so a
+launcher can refuse ``matrix_approximation_rank=-1`` before it starts ranks that would each fail on it.
+Either way the message is prefixed with the hook's name.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from types import ModuleType
@@ -46,6 +53,7 @@ __all__ = [
 _PACKAGE = "gradcomm.hooks"
 
 StateFactory = Callable[[ModuleType, ProcessGroup | None, dict[str, Any]], Any]
+StateCheck = Callable[[ModuleType, dict[str, Any]], Any]
 
 
 _UNSET: Any = object()
@@ -95,6 +103,9 @@ class HookSpec:
         options: the options ``state`` accepts.
         presets: options fixed by this entry (``powersgd_rank2`` fixes ``matrix_approximation_rank=2``).
         summary: one line for help texts.
+        check: builds the state without a process group, for :func:`check_options` to have its constructor
+            check the option values; ``None``: ``state`` called with ``process_group=None`` (nothing for
+            stateless hooks). Set it where that would communicate.
     """
 
     name: str
@@ -104,6 +115,7 @@ class HookSpec:
     options: tuple[Option, ...] = ()
     presets: tuple[tuple[str, Any], ...] = ()
     summary: str = ""
+    check: StateCheck | None = field(default=None, repr=False, compare=False)
     option_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -127,6 +139,18 @@ _POST_LOCALSGD_OPTIONS = (
     Option("post_local_gradient_allreduce", bool),
 )
 _POWERSGD = dict(module="powerSGD_hook", state=constructed("PowerSGDState"), options=_POWERSGD_OPTIONS)
+
+
+def _post_localsgd_offline(module: ModuleType, options: dict[str, Any]) -> Any:
+    """PostLocalSGDState without a process group.
+
+    With ``subgroup`` unset and ``post_local_gradient_allreduce`` on, the constructor creates the intra-node
+    subgroups, a collective; the other values are checked the same with it off.
+    """
+    offline = dict(options)
+    if offline.get("subgroup") is None and offline.get("post_local_gradient_allreduce", True) is True:
+        offline["post_local_gradient_allreduce"] = False
+    return module.PostLocalSGDState(process_group=None, **offline)
 
 _COMPRESSION_OPTIONS = (
     Option("error_feedback", bool),
@@ -243,6 +267,7 @@ class CommHookType(Enum):
         "post_localSGD_hook",
         state=constructed("PostLocalSGDState"),
         options=_POST_LOCALSGD_OPTIONS,
+        check=_post_localsgd_offline,
         summary="global all-reduce, then local SGD (pair with PeriodicModelAverager)",
     )
 
@@ -364,13 +389,39 @@ def _check_options(spec: HookSpec, options: Mapping[str, Any]) -> dict[str, Any]
     return converted
 
 
+@contextmanager
+def _named(spec: HookSpec) -> Iterator[None]:
+    """Prefix the hook's name to a constructor's complaint about an option value."""
+    try:
+        yield
+    except (ValueError, TypeError) as exc:
+        kind = ValueError if isinstance(exc, ValueError) else TypeError
+        raise kind(f"communication hook {spec.name!r}: {exc}") from exc
+
+
 def check_options(name: str | Enum, **options: Any) -> dict[str, Any]:
-    """Validate and convert ``options`` for the hook called ``name``, without importing or building it.
+    """Validate and convert ``options`` for the hook called ``name``; return them converted.
+
+    Names, types and required options are checked from the registry entry; values by building the hook's
+    state without a process group (importing its module), so that its constructor refuses them as it would
+    on a rank. Nothing communicates: call it before starting ranks.
 
     Raises:
-        ValueError: unknown name or option, a value of the wrong type, or a missing required option.
+        ValueError: unknown name or option, a value of the wrong type or out of range, or a missing
+            required option.
+        TypeError: a value of a type the state's constructor refuses (only where not given as a string).
+        ImportError: the hook's module cannot be imported.
     """
-    return _check_options(resolve_hook_name(name).value, options)
+    spec = resolve_hook_name(name).value
+    checked = _check_options(spec, options)
+    if spec.state is not process_group_state or spec.check is not None:
+        module = _import(spec.name, spec.module)
+        with _named(spec):
+            if spec.check is not None:
+                spec.check(module, dict(checked))
+            else:
+                spec.state(module, None, dict(checked))
+    return checked
 
 
 def get_hook(name: str | Enum, wrapper: str | None = None) -> Callable[..., Any]:
@@ -410,14 +461,17 @@ def make_comm_hook(
 
     Raises:
         ValueError: unknown name, wrapper or option, a value of the wrong type, or a missing required
-            option. Options are checked before the hook's module is imported.
+            option (checked before the hook's module is imported); a value out of range (refused by the
+            state's constructor, with the same message as from :func:`check_options`).
+        TypeError: a value of a type the state's constructor refuses.
         ImportError: the hook's module (or the wrapper's) cannot be imported.
     """
     spec = resolve_hook_name(name).value
     checked = _check_options(spec, options)
     hook = get_hook(spec.name, wrapper=wrapper)
     module = _import(spec.name, spec.module)
-    state = spec.state(module, process_group, checked)
+    with _named(spec):
+        state = spec.state(module, process_group, checked)
     return hook, state
 
 
