@@ -85,6 +85,7 @@ def _rank_main(
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    ok = False
     try:
         dist.init_process_group(
             backend,
@@ -95,14 +96,14 @@ def _rank_main(
         # Plain pickle: the queue's own pickler would send tensors as shared-memory handles that die with the rank.
         value = pickle.dumps(fn(*args))
         results.put((rank, True, value, time.time()))
+        ok = True
     except BaseException as exc:  # report everything, including KeyboardInterrupt and SystemExit
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}", time.time()))
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+    # Flush the report, then exit without running the process groups' C++ destructors: after a lost peer,
+    # gloo's can throw from a background thread and abort the process (SIGABRT) with the report unsent.
+    results.close()
+    results.join_thread()
+    os._exit(0 if ok else 1)
 
 
 def run_on_ranks(
