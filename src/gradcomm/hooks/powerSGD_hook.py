@@ -104,8 +104,9 @@ class _Slot:
     def run(self) -> BaseException | None:
         """Launch the collective; return the exception if launching it failed."""
         assert self.launch is not None
+        launch, self.launch = self.launch, None  # drop the closure: it holds the process group
         try:
-            collective = self.launch()
+            collective = launch()
         except BaseException as exc:
             self.fail(exc)
             return exc
