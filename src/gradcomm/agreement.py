@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .comm import collective_device
 from .faults import ParameterDriftError
 from .hook_contract import DEFAULT_HOOK_NAME, hook_name
 
@@ -178,12 +179,6 @@ def _bit_sums(params: Sequence[torch.Tensor]) -> list[int]:
     return torch.stack(sums).tolist() if sums else []
 
 
-def _collective_device(group: Any) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def check_same_parameters(
     named_params: Sequence[tuple[str, torch.Tensor]],
     group: Any,
@@ -205,7 +200,7 @@ def check_same_parameters(
     first = sum(sums) % _CHECKSUM_MODULUS
     weighted = sum((i + 1) * s for i, s in enumerate(sums)) % _CHECKSUM_MODULUS
     world = dist.get_world_size(group)
-    device = _collective_device(group)
+    device = collective_device(group)
     mine = torch.tensor([int(take_part), first, weighted], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)

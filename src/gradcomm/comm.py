@@ -24,6 +24,7 @@ __all__ = [
     "all_reduce",
     "all_to_all_single",
     "broadcast",
+    "collective_device",
     "group_size",
     "reduce_scatter_tensor",
     "traffic",
@@ -109,6 +110,13 @@ def wire_bytes(bytes_by_kind: dict[str, int], world_size: int) -> float:
     algorithms: allreduce 2(n-1)/n of its input, all-gather (n-1) times, reduce-scatter and all-to-all
     (n-1)/n."""
     return sum(_WIRE_FACTORS[kind](world_size) * nbytes for kind, nbytes in bytes_by_kind.items())
+
+
+def collective_device(group: ProcessGroup | None) -> torch.device:
+    """The device of small tensors gradcomm exchanges on ``group`` itself (flags, checksums): NCCL needs CUDA."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def group_size(group: ProcessGroup | None) -> int:

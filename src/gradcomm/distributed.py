@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from .agreement import check_same_parameters
+from .comm import collective_device
 from .faults import reporting_lost_peers
 from .hook_contract import CommHook
 from .reducer import Reducer
@@ -243,11 +244,6 @@ class DistributedDataParallel(nn.Module):
                 with reporting_lost_peers(self.synchronised_steps, "broadcasting buffers", self._group):
                     broadcast_coalesced(buffers, self._group, source)
 
-    def _collective_device(self) -> torch.device:
-        if dist.get_backend(self._group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
     # -- uneven inputs ---------------------------------------------------------------------------------------
     @contextmanager
     def join(
@@ -305,7 +301,7 @@ class DistributedDataParallel(nn.Module):
         """One allreduce of per-rank flags: 0 joined, 1 a forward without sync, 2 a synchronised forward."""
         assert self._join is not None
         world = dist.get_world_size(self._group)
-        flags = torch.zeros(world, dtype=torch.int32, device=self._collective_device())
+        flags = torch.zeros(world, dtype=torch.int32, device=collective_device(self._group))
         flags[dist.get_rank(self._group)] = mode
         with reporting_lost_peers(self.synchronised_steps, "exchanging join() flags", self._group):
             dist.all_reduce(flags, group=self._group)
