@@ -17,7 +17,7 @@ import torch
 
 import gradcomm
 from gradcomm.bench.workloads import WORKLOADS
-from gradcomm.distributed import CHECK_PARAMETERS_EVERY
+from gradcomm.ddp.distributed import CHECK_PARAMETERS_EVERY
 from gradcomm.testing import run_on_ranks
 
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from gradcomm.__main__ import main
 from gradcomm.bench import launch
 from gradcomm.bench.launch import RankFailure, run_ranks
-from gradcomm.network import NetworkSetupError, check_network_privileges
+from gradcomm.testing.network import NetworkSetupError, check_network_privileges
 
 GRADCOMM = [sys.executable, "-m", "gradcomm"]
 

@@ -19,8 +19,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradcomm.checkpoint import FORMAT, MANIFEST, CheckpointError, load_checkpoint, rank_file, save_checkpoint
-from gradcomm.faults import PeerLostError
+from gradcomm.comm.faults import PeerLostError
+from gradcomm.ddp.checkpoint import (
+    FORMAT,
+    MANIFEST,
+    CheckpointError,
+    load_checkpoint,
+    rank_file,
+    save_checkpoint,
+)
 from gradcomm.testing import RankError, run_on_ranks
 from tests.helpers import error_text, flat_parameters
 
@@ -193,7 +200,7 @@ def _craft_broken_folders(base: str, older: str, newer: str) -> dict[str, str]:
     old_format = os.path.join(base, "old_format")
     os.makedirs(old_format)
     for rank in range(3):
-        torch.save({"format": "gradcomm.checkpoint/1", "world_size": 3}, os.path.join(old_format, f"rank{rank}.pt"))
+        torch.save({"format": "gradcomm.ddp.checkpoint/1", "world_size": 3}, os.path.join(old_format, f"rank{rank}.pt"))
     return {"mixed": mixed, "missing": missing, "truncated": truncated, "no_manifest": no_manifest,
             "old_format": old_format}
 
@@ -233,7 +240,7 @@ def test_folders_without_one_complete_checkpoint_raise_on_every_rank_naming_rank
     assert "rank 1" not in errors["truncated"] and "rank 2" not in errors["truncated"]
     assert errors["no_manifest"].startswith("FileNotFoundError: load_checkpoint: no complete checkpoint in")
     assert errors["old_format"].startswith("CheckpointError: load_checkpoint: ")
-    assert "gradcomm.checkpoint/1" in errors["old_format"] and FORMAT in errors["old_format"]
+    assert "gradcomm.ddp.checkpoint/1" in errors["old_format"] and FORMAT in errors["old_format"]
 
 
 def _local_folders(base: str) -> dict[str, Any]:

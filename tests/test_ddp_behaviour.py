@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradcomm
-from gradcomm.bucketing import assign_buckets, bucket_size_limits
+from gradcomm.ddp.bucketing import assign_buckets, bucket_size_limits
 from gradcomm.testing import run_on_ranks
 from tests.helpers import error_text
 

@@ -14,7 +14,7 @@ from torch import nn
 import gradcomm
 from gradcomm import comm
 from gradcomm.__main__ import main
-from gradcomm.checkpoint import save_checkpoint
+from gradcomm.ddp.checkpoint import save_checkpoint
 from gradcomm.testing import run_on_ranks
 from tests.helpers import error_text
 

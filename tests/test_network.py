@@ -1,7 +1,7 @@
-"""gradcomm.network: rate/duration parsing, and real namespaced ranks on shaped links.
+"""gradcomm.testing.network: rate/duration parsing, and real namespaced ranks on shaped links.
 
 The parsing tests need nothing. The others build :class:`ShapedNetwork` s (network namespaces, veth, a
-bridge, tbf; see the module docstring of :mod:`gradcomm.network` for the topology) and skip, with the
+bridge, tbf; see the module docstring of :mod:`gradcomm.testing.network` for the topology) and skip, with the
 reason :func:`check_network_privileges` gives, where the machine does not allow that. Two spawned 2-rank
 runs measure:
 
@@ -32,8 +32,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradcomm import network
-from gradcomm.network import (
+from gradcomm.testing import network
+from gradcomm.testing import run_on_ranks
+from gradcomm.testing.network import (
     RANK_IFNAME,
     NetworkSetupError,
     ShapedNetwork,
@@ -43,7 +44,6 @@ from gradcomm.network import (
     parse_rate,
     remove_stale_networks,
 )
-from gradcomm.testing import run_on_ranks
 
 NETWORK_PY = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "gradcomm", "network.py"

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 import gradcomm
-from gradcomm.grad_bucket import GradBucket
 from gradcomm.hooks import default_hooks, powerSGD_hook
+from gradcomm.hooks.grad_bucket import GradBucket
 from gradcomm.hooks.registry import hook_names, make_comm_hook
 from gradcomm.testing import RankError, run_on_ranks
 from tests.helpers import error_text

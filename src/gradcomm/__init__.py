@@ -6,22 +6,28 @@ the contract of PyTorch's DDP communication hooks. Hooks live in :mod:`gradcomm.
 :class:`LegacyDistributedDataParallel` reduces explicitly after backward through the same hooks.
 """
 
-from .agreement import RanksDisagreeError
-from .distributed import DistributedDataParallel
-from .faults import NonFiniteGradientError, ParameterDriftError, PeerLostError
-from .grad_bucket import GradBucket
-from .hook_contract import CommHookError
-from .legacy import LegacyDistributedDataParallel
+from gradcomm.comm.faults import NonFiniteGradientError, ParameterDriftError, PeerLostError
+from gradcomm.ddp.agreement import RanksDisagreeError
+from gradcomm.ddp.averagers import PeriodicModelAverager
+from gradcomm.ddp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from gradcomm.ddp.distributed import DistributedDataParallel
+from gradcomm.ddp.legacy import LegacyDistributedDataParallel
+from gradcomm.hooks.contract import CommHookError
+from gradcomm.hooks.grad_bucket import GradBucket
 
 __all__ = [
+    "CheckpointError",
     "CommHookError",
     "DistributedDataParallel",
     "GradBucket",
     "LegacyDistributedDataParallel",
     "NonFiniteGradientError",
     "ParameterDriftError",
+    "PeriodicModelAverager",
     "PeerLostError",
     "RanksDisagreeError",
+    "load_checkpoint",
+    "save_checkpoint",
 ]
 
 __version__ = "0.1.0"

@@ -7,7 +7,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .bench import cli as bench_cli
+    from gradcomm.bench import cli as bench_cli
 
     parser = argparse.ArgumentParser(prog="gradcomm", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "bench":
         return bench_cli.run(args)
-    from .demo import run_demo
+    from gradcomm.bench.demo import run_demo
 
     if args.world_size < 1 or args.steps < 1:
         parser.error("--world-size and --steps must be at least 1")

@@ -26,8 +26,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .runner import BENCH_OPTION_DEFAULTS, BenchConfig, HookChoice, hook_options
-from .workloads import WORKLOADS
+from gradcomm.bench.runner import BENCH_OPTION_DEFAULTS, BenchConfig, HookChoice, hook_options
+from gradcomm.bench.workloads import WORKLOADS
 
 __all__ = ["DEFAULT_HOOKS", "add_arguments", "run"]
 
@@ -51,7 +51,7 @@ class BenchError(Exception):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..hooks.registry import hook_names
+    from gradcomm.hooks.registry import hook_names
 
     parser.add_argument("--workload", default="transformer", help=f"one of: {', '.join(WORKLOADS)}")
     parser.add_argument(
@@ -104,7 +104,7 @@ def _check_numbers(args: argparse.Namespace, world_size: int) -> None:
 
 
 def _config(args: argparse.Namespace, world_size: int, device: str) -> BenchConfig:
-    from ..hooks.registry import check_options
+    from gradcomm.hooks.registry import check_options
 
     if args.workload not in WORKLOADS:
         raise BenchError(f"unknown workload {args.workload!r}; valid workloads: {', '.join(WORKLOADS)}")
@@ -198,7 +198,9 @@ def _create(output: Path) -> None:
 
 
 def _run_locally(args: argparse.Namespace) -> int:
-    from ..network import (
+    from gradcomm.bench.launch import RankFailure, run_ranks
+    from gradcomm.bench.runner import bench_rank
+    from gradcomm.testing.network import (
         NetworkSetupError,
         ShapedNetwork,
         check_network_privileges,
@@ -206,8 +208,6 @@ def _run_locally(args: argparse.Namespace) -> int:
         parse_rate,
         remove_stale_networks,
     )
-    from .launch import RankFailure, run_ranks
-    from .runner import bench_rank
 
     config = _config(args, args.world_size, "cpu")
     rate = latency = None
@@ -262,7 +262,7 @@ def _run_under_torchrun(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from .runner import bench_rank
+    from gradcomm.bench.runner import bench_rank
 
     if args.bandwidth is not None:
         raise BenchError("--bandwidth shapes local namespaced ranks; under torchrun the real network is measured")
@@ -291,7 +291,7 @@ def _run_under_torchrun(args: argparse.Namespace) -> int:
 def _report(
     args: argparse.Namespace, config: BenchConfig, runs: list[list[dict[str, Any]]], output: Path, rate: float | None
 ) -> None:
-    from .report import print_table, summarize, write_outputs
+    from gradcomm.bench.report import print_table, summarize, write_outputs
 
     summaries = [summarize(run, config.warmup, rate) for run in runs[0]]
     described = {

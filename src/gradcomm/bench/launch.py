@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..testing import free_port
+from gradcomm.testing import free_port
 
 __all__ = ["RankFailure", "run_ranks"]
 
@@ -122,7 +122,7 @@ def _rank_main(fn: Callable[..., Any], args: Sequence[Any], spec: _Rank, results
     status = 1
     try:
         if spec.namespace is not None:
-            from ..network import enter_namespace
+            from gradcomm.testing.network import enter_namespace
 
             enter_namespace(spec.namespace)
         import torch
@@ -170,7 +170,7 @@ def run_ranks(
 
     ``fn`` must be a module-level function; its arguments and results picklable. ``log_dir`` (created if
     missing) receives ``rank<i>.log``, each rank's stdout and stderr. ``namespaces`` places rank ``i`` in
-    network namespace ``namespaces[i]`` (see :class:`gradcomm.network.ShapedNetwork`), ``master_addr`` is
+    network namespace ``namespaces[i]`` (see :class:`gradcomm.testing.network.ShapedNetwork`), ``master_addr`` is
     then rank 0's address there. Call it from the thread that is to outlive the ranks (see
     :func:`_die_with_parent`). On return, raise or KeyboardInterrupt, no rank process is left.
 

@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm
-from ..distributed import DistributedDataParallel
-from ..hooks.registry import check_options, make_comm_hook, resolve_hook_name
-from .workloads import WORKLOADS, Workload
+from gradcomm import comm
+from gradcomm.bench.workloads import WORKLOADS, Workload
+from gradcomm.ddp.distributed import DistributedDataParallel
+from gradcomm.hooks.registry import check_options, make_comm_hook, resolve_hook_name
 
 __all__ = ["BenchConfig", "HookChoice", "HookRun", "bench_rank", "hook_options"]
 

@@ -16,8 +16,8 @@ ready (rank 0's order, broadcast so all ranks agree), as torch's DDP does.
 
 Failures never hang and never leave a half-reduced step behind. Every wait ends when the process group's
 timeout passes (a collective that a peer never joins fails then); a failure is reported with the step and
-bucket (:class:`~gradcomm.faults.PeerLostError` when a peer was lost,
-:class:`~gradcomm.hook_contract.CommHookError` when the hook failed), and the reducer then refuses further
+bucket (:class:`~gradcomm.comm.faults.PeerLostError` when a peer was lost,
+:class:`~gradcomm.hooks.contract.CommHookError` when the hook failed), and the reducer then refuses further
 synchronised steps, since its collectives may no longer match its peers'. A rank that has run out of inputs
 under ``DistributedDataParallel.join()`` calls :meth:`Reducer.shadow_backward` instead of backward: the hook
 runs on zero buckets, in bucket order, so its collectives match the other ranks'.
@@ -34,12 +34,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from . import comm
-from .agreement import check_same_on_all_ranks, hook_fingerprint
-from .bucketing import assign_buckets, bucket_size_limits
-from .faults import NonFiniteGradientError, PeerLostError, reporting_lost_peers
-from .grad_bucket import GradBucket
-from .hook_contract import (
+from gradcomm import comm
+from gradcomm.comm.faults import NonFiniteGradientError, PeerLostError, reporting_lost_peers
+from gradcomm.ddp.agreement import check_same_on_all_ranks, hook_fingerprint
+from gradcomm.ddp.bucketing import assign_buckets, bucket_size_limits
+from gradcomm.ddp.telemetry import CommStats
+from gradcomm.hooks.contract import (
     DEFAULT_HOOK_NAME,
     CommHook,
     call_hook,
@@ -48,7 +48,7 @@ from .hook_contract import (
     hook_result,
     replicas_may_differ,
 )
-from .telemetry import CommStats
+from gradcomm.hooks.grad_bucket import GradBucket
 
 __all__ = ["Reducer"]
 
@@ -189,7 +189,7 @@ class Reducer:
         """Register ``hook``; a collective: every rank must register, and the same hook with the same options.
 
         The ranks compare the hook's qualified name, its state's plain options and the bucket layout in one
-        ``all_gather_object`` and all raise :class:`~gradcomm.agreement.RanksDisagreeError` if they differ.
+        ``all_gather_object`` and all raise :class:`~gradcomm.ddp.agreement.RanksDisagreeError` if they differ.
         """
         check_hook(hook)
         if self._hook is not None:

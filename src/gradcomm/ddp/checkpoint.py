@@ -17,14 +17,14 @@ The manifest (``{"format", "id", "step", "world_size", "files"}``) names the com
 it is replaced does each rank delete its files of older ids and leftover ``.partial`` files. A save that a
 crash or a failed write interrupts therefore leaves the previous manifest, and the previous files it names,
 in place: loading the folder gives the last complete checkpoint on every rank. A failed write or commit
-raises ``OSError`` on every rank; a lost peer raises :class:`gradcomm.faults.PeerLostError`.
+raises ``OSError`` on every rank; a lost peer raises :class:`gradcomm.comm.faults.PeerLostError`.
 
 :func:`load_checkpoint` reads the manifest on rank 0 and broadcasts it, so ranks on machines without a shared
 filesystem need only their own files (rank 0's folder holds the manifest). Every rank then loads the file the
 manifest names for it and the ranks compare, with one ``all_gather``, the checkpoint id and step each found:
 unless all of them found the checkpoint of the manifest, every rank raises the same
 :class:`CheckpointError` naming the ranks and what they found, and nothing is loaded on any rank. A folder
-in the earlier layout (``rank<r>.pt`` without a manifest, format ``gradcomm.checkpoint/1``) cannot be told
+in the earlier layout (``rank<r>.pt`` without a manifest, format ``gradcomm.ddp.checkpoint/1``) cannot be told
 complete from torn and is refused.
 
 Everything is stored as ``state_dict()`` output (tensors and plain values), so the files load with
@@ -54,13 +54,13 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
-from .faults import reporting_lost_peers
+from gradcomm.comm.faults import reporting_lost_peers
 
 __all__ = ["FORMAT", "MANIFEST", "CheckpointError", "load_checkpoint", "rank_file", "save_checkpoint"]
 
-FORMAT = "gradcomm.checkpoint/2"
+FORMAT = "gradcomm.ddp.checkpoint/2"
 MANIFEST = "manifest.json"
-_OLD_FORMAT = "gradcomm.checkpoint/1"
+_OLD_FORMAT = "gradcomm.ddp.checkpoint/1"
 _RESERVED = ("format", "world_size", "rank", "checkpoint_id", "model", "optimizer", "hook_state", "bucket_layout")
 _PLAIN_LEAVES = (torch.Tensor, str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
 _PARTIAL = ".partial"
@@ -342,7 +342,7 @@ def save_checkpoint(
     Every rank must call it. It returns once the checkpoint is committed: every rank's file is durable and
     rank 0 has replaced the manifest. If any rank fails to write, or rank 0 to commit, every rank raises
     ``OSError`` and ``path`` still holds the previous checkpoint; a lost peer raises
-    :class:`gradcomm.faults.PeerLostError`.
+    :class:`gradcomm.comm.faults.PeerLostError`.
 
     Args:
         model: saved with ``model.state_dict()``, and for gradcomm's DDP its bucket layout, which
@@ -511,7 +511,7 @@ def load_checkpoint(
             at another world size or in the older layout; or some rank's file is missing, unreadable, of
             another checkpoint than the manifest's, or lacks a part that was asked for (an optimizer or hook
             state given here but not saved).
-        gradcomm.faults.PeerLostError: a peer was lost during the checks.
+        gradcomm.comm.faults.PeerLostError: a peer was lost during the checks.
     """
     rank, world_size = _world()
     folder = os.fspath(path)

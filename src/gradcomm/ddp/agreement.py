@@ -5,7 +5,7 @@ hang or silently corrupt. A fingerprint of the setup (plain strings) is exchange
 collective, and every rank raises the same :class:`RanksDisagreeError` naming what differs on which ranks.
 
 Replicas that should be identical are compared by :func:`check_same_parameters`: a checksum of every
-parameter's bits, one small ``all_gather``, and :class:`~gradcomm.faults.ParameterDriftError` on every
+parameter's bits, one small ``all_gather``, and :class:`~gradcomm.comm.faults.ParameterDriftError` on every
 rank if they differ. The DDP runs it every ``check_parameters_every`` steps, the model averagers right
 after each averaging.
 """
@@ -21,9 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .comm import collective_device
-from .faults import ParameterDriftError
-from .hook_contract import DEFAULT_HOOK_NAME, hook_name
+from gradcomm.comm import collective_device
+from gradcomm.comm.faults import ParameterDriftError
+from gradcomm.hooks.contract import DEFAULT_HOOK_NAME, hook_name
 
 __all__ = [
     "RanksDisagreeError",
@@ -187,7 +187,7 @@ def check_same_parameters(
     take_part: bool = True,
     advice: str = "",
 ) -> None:
-    """Raise :class:`~gradcomm.faults.ParameterDriftError` on every rank of ``group`` if the ranks'
+    """Raise :class:`~gradcomm.comm.faults.ParameterDriftError` on every rank of ``group`` if the ranks'
     parameters differ in any bit; a collective (every rank calls it with the same parameter list).
 
     One ``all_gather`` of three integers (a flag and two checksums); only when they differ, a second one

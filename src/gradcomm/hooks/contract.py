@@ -6,7 +6,7 @@ functions check a hook when it is registered and its future when it completes, a
 into one error naming the hook, the bucket and what was expected.
 
 A hook that raises, or whose future fails for a reason of its own, gives :class:`CommHookError` with the
-original exception chained; a failure caused by a lost peer gives :class:`~gradcomm.faults.PeerLostError`.
+original exception chained; a failure caused by a lost peer gives :class:`~gradcomm.comm.faults.PeerLostError`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any, get_args, get_origin
 import torch
 import torch.distributed as dist
 
-from .faults import is_communication_failure, lost_contact, rank_and_step
-from .grad_bucket import GradBucket
+from gradcomm.comm.faults import is_communication_failure, lost_contact, rank_and_step
+from gradcomm.hooks.grad_bucket import GradBucket
 
 __all__ = [
     "DEFAULT_HOOK_NAME",

@@ -1,7 +1,7 @@
 """gradcomm's DistributedDataParallel: torch's DDP interface, a Python reducer, pluggable communication hooks.
 
 Construction checks that every rank has the same parameters, broadcasts parameters and buffers from rank 0
-and hands the trainable parameters to a :class:`~gradcomm.reducer.Reducer`. Each forward optionally
+and hands the trainable parameters to a :class:`~gradcomm.ddp.reducer.Reducer`. Each forward optionally
 broadcasts buffers (BatchNorm statistics) from rank 0 and arms the reducer for the coming backward, in which
 gradients are averaged bucket by bucket, overlapped with the rest of backward.
 
@@ -9,18 +9,18 @@ Failure behaviour
 -----------------
 Nothing waits without a timeout: every collective is bounded by the process group's timeout (the
 ``timeout=`` of ``torch.distributed.init_process_group``; torch's default is 30 minutes for gloo, so set a
-shorter one). When a peer dies or stalls, this rank raises :class:`~gradcomm.faults.PeerLostError`
+shorter one). When a peer dies or stalls, this rank raises :class:`~gradcomm.comm.faults.PeerLostError`
 naming the step and the bucket (or buffer broadcast, join flag, ...) it was communicating, at once when the
 peer's connection closes, at the latest when the timeout passes. A hook that raises or whose future fails
 raises :class:`~gradcomm.CommHookError` with the hook, bucket, step and the original traceback. After any
 failure in a synchronised step the DDP refuses to continue (its collectives may be out of step with its
-peers'): restart and resume from a checkpoint (:mod:`gradcomm.checkpoint`).
+peers'): restart and resume from a checkpoint (:mod:`gradcomm.ddp.checkpoint`).
 
 At the first synchronised forward (or at ``register_comm_hook``) the ranks compare hook, hook options, bucket
 layout and the options that add collectives, and all raise
-:class:`~gradcomm.agreement.RanksDisagreeError` if they differ. Every ``check_parameters_every`` steps
+:class:`~gradcomm.ddp.agreement.RanksDisagreeError` if they differ. Every ``check_parameters_every`` steps
 (20 by default) they compare checksums of their parameters and all raise
-:class:`~gradcomm.faults.ParameterDriftError` if the replicas differ. Optional: ``check_finite`` (no NaN
+:class:`~gradcomm.comm.faults.ParameterDriftError` if the replicas differ. Optional: ``check_finite`` (no NaN
 or infinity leaves the rank), and :meth:`join` for ranks with different numbers of batches.
 """
 
@@ -36,12 +36,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .agreement import check_same_parameters
-from .comm import collective_device
-from .faults import reporting_lost_peers
-from .hook_contract import CommHook
-from .reducer import Reducer
-from .telemetry import CommStats
+from gradcomm.comm import collective_device
+from gradcomm.comm.faults import reporting_lost_peers
+from gradcomm.ddp.agreement import check_same_parameters
+from gradcomm.ddp.reducer import Reducer
+from gradcomm.ddp.telemetry import CommStats
+from gradcomm.hooks.contract import CommHook
 
 __all__ = ["CHECK_PARAMETERS_EVERY", "DistributedDataParallel"]
 
@@ -134,17 +134,17 @@ class DistributedDataParallel(nn.Module):
         broadcast_buffers: broadcast buffers from rank 0 at every forward.
         device_ids: ``None`` or one device; inputs are moved to it.
         check_finite: before a bucket is communicated, check that it holds no NaN or infinity, and raise
-            :class:`~gradcomm.faults.NonFiniteGradientError` naming the first such parameter and the
+            :class:`~gradcomm.comm.faults.NonFiniteGradientError` naming the first such parameter and the
             rank otherwise (the values never leave the rank). Costs one pass over the gradients per step
             (and a device synchronisation per bucket on GPUs). Off by default.
         check_parameters_every: every this many synchronised steps (default
             :data:`CHECK_PARAMETERS_EVERY`, 20), compare a checksum of every parameter's bits across
             ranks (one pass over the parameters and one ``all_gather`` of three integers) and raise
-            :class:`~gradcomm.faults.ParameterDriftError` on every rank, naming the step, the ranks that
+            :class:`~gradcomm.comm.faults.ParameterDriftError` on every rank, naming the step, the ranks that
             differ from the lowest rank and the first differing parameter, if the replicas drifted apart.
             So a silent divergence, whatever its cause, stops training within this many steps. Skipped
             while the hook leaves replicas different on purpose (noop, post-local SGD after its warm-up;
-            :func:`~gradcomm.hook_contract.replicas_may_differ`): the model averagers check right after
+            :func:`~gradcomm.hooks.contract.replicas_may_differ`): the model averagers check right after
             each averaging instead. 0 or ``None``: never.
 
     The timeout of every collective is the process group's (``init_process_group(timeout=...)``).
@@ -359,7 +359,7 @@ class DistributedDataParallel(nn.Module):
 
     def check_parameters(self) -> None:
         """Compare the ranks' parameters now (a collective: every rank must call it); raise
-        :class:`~gradcomm.faults.ParameterDriftError` on every rank if they differ."""
+        :class:`~gradcomm.comm.faults.ParameterDriftError` on every rank if they differ."""
         with reporting_lost_peers(self.synchronised_steps, "comparing parameter checksums", self._group):
             self._check_parameters(self.synchronised_steps, joined=False)
 
@@ -371,7 +371,7 @@ class DistributedDataParallel(nn.Module):
             f"after {step} synchronised steps",
             take_part=not joined,  # a joined rank keeps stale parameters until the end of join()
             advice=" A hook that leaves replicas different on purpose declares it (see "
-            "gradcomm.hook_contract.replicas_may_differ); check_parameters_every=0 turns this check off.",
+            "gradcomm.hooks.contract.replicas_may_differ); check_parameters_every=0 turns this check off.",
         )
 
     @contextmanager
@@ -393,14 +393,14 @@ class DistributedDataParallel(nn.Module):
         This is a collective: every rank must call it, with the same hook and options. The ranks compare
         the hook's qualified name, its state's plain options (numbers, strings, flags; not tensors), the
         bucket layout and the DDP options that add collectives, and all raise
-        :class:`~gradcomm.agreement.RanksDisagreeError`, naming what differs on which ranks, if they
+        :class:`~gradcomm.ddp.agreement.RanksDisagreeError`, naming what differs on which ranks, if they
         disagree. A state that holds rank-specific plain values can define ``comm_hook_fingerprint() ->
         str`` to say what must agree.
         """
         self.reducer.register_comm_hook(state, hook)
 
     def bucket_layout(self) -> dict[str, Any]:
-        """The bucket layout as plain values; saved by :func:`gradcomm.checkpoint.save_checkpoint`.
+        """The bucket layout as plain values; saved by :func:`gradcomm.ddp.checkpoint.save_checkpoint`.
 
         Hook state that is kept per bucket (PowerSGD's error feedback and warm start) only fits the buckets it
         was made for, so a resumed run must reduce in the original run's buckets from its first step.
@@ -412,7 +412,7 @@ class DistributedDataParallel(nn.Module):
         self.reducer.load_bucket_layout(layout)
 
     def comm_stats(self) -> CommStats:
-        """Per-step and cumulative communication statistics on this rank (see :mod:`gradcomm.telemetry`).
+        """Per-step and cumulative communication statistics on this rank (see :mod:`gradcomm.ddp.telemetry`).
 
         Resettable (``.reset()``); set ``.measure_error = True`` for the compression error, ``.log_every`` to
         log through :mod:`logging`, ``.jsonl_path`` to append every step as a JSON line.

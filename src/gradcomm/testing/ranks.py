@@ -70,7 +70,7 @@ def _rank_main(
     master_addr: str,
 ) -> None:
     if namespace is not None:
-        from .network import enter_namespace
+        from gradcomm.testing.network import enter_namespace
 
         enter_namespace(namespace)  # before torch starts any thread: threads inherit the namespace
     import torch
@@ -127,7 +127,7 @@ def run_on_ranks(
         backend: ``"gloo"`` (CPU) or ``"nccl"``.
         timeout: hard limit in seconds for the whole run, process start-up included.
         collective_timeout: the process group's timeout: a collective that waits longer fails on its rank.
-        namespaces: one network namespace per rank to run it in (see :class:`gradcomm.network.ShapedNetwork`);
+        namespaces: one network namespace per rank to run it in (see :class:`gradcomm.testing.network.ShapedNetwork`);
             ``master_addr`` is then rank 0's address there.
         master_addr: address of rank 0's rendezvous store.
 

@@ -10,7 +10,7 @@ a :class:`~gradcomm.GradBucket`, exactly as the overlapping DDP hands its bucket
 
 Failures behave as in the overlapping DDP: ``register_comm_hook`` (or the first ``all_reduce()``) is a
 collective that compares hook, options and buffer size across the ranks; a lost peer raises
-:class:`~gradcomm.faults.PeerLostError` naming the reduction and the buffer, within the process
+:class:`~gradcomm.comm.faults.PeerLostError` naming the reduction and the buffer, within the process
 group's timeout; after a failed ``all_reduce()`` the DDP refuses further reductions.
 """
 
@@ -24,12 +24,12 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from . import comm
-from .agreement import check_same_on_all_ranks, hook_fingerprint
-from .faults import reporting_lost_peers
-from .grad_bucket import GradBucket
-from .hook_contract import DEFAULT_HOOK_NAME, CommHook, call_hook, check_hook, hook_name, hook_result
-from .telemetry import CommStats
+from gradcomm import comm
+from gradcomm.comm.faults import reporting_lost_peers
+from gradcomm.ddp.agreement import check_same_on_all_ranks, hook_fingerprint
+from gradcomm.ddp.telemetry import CommStats
+from gradcomm.hooks.contract import DEFAULT_HOOK_NAME, CommHook, call_hook, check_hook, hook_name, hook_result
+from gradcomm.hooks.grad_bucket import GradBucket
 
 __all__ = ["LegacyDistributedDataParallel"]
 
@@ -82,7 +82,7 @@ class LegacyDistributedDataParallel(nn.Module):
         """Reduce each buffer with ``hook(state, bucket)`` instead of the averaging allreduce (once, before use).
 
         A collective: every rank must call it with the same hook and options; the ranks compare them and all
-        raise :class:`~gradcomm.agreement.RanksDisagreeError` if they differ.
+        raise :class:`~gradcomm.ddp.agreement.RanksDisagreeError` if they differ.
         """
         check_hook(hook)
         if self._hook is not None:
@@ -110,7 +110,7 @@ class LegacyDistributedDataParallel(nn.Module):
         self._setup_checked = True
 
     def comm_stats(self) -> CommStats:
-        """This DDP's communication statistics on this rank (see :mod:`gradcomm.telemetry`)."""
+        """This DDP's communication statistics on this rank (see :mod:`gradcomm.ddp.telemetry`)."""
         return self._stats
 
     def all_reduce(self) -> None:

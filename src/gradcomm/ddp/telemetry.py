@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from . import comm
+from gradcomm import comm
 
 __all__ = ["CommStats", "StepStats"]
 
