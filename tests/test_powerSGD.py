@@ -27,7 +27,6 @@ import inspect
 import io
 import math
 import pickle
-import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -40,10 +39,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
+from gradcomm.hooks.powersgd.kernel import orthogonalize
 from gradcomm.hooks.powerSGD_hook import (
     PowerSGDState,
-    _OrderedLauncher,
-    _orthogonalize,
     batched_powerSGD_hook,
     powerSGD_hook,
 )
@@ -824,7 +822,7 @@ def test_orthogonalize_matches_torch_and_keeps_zero_columns_finite(rank: int) ->
     matrices = torch.randn(3, 10, rank, generator=torch.Generator().manual_seed(rank))
     theirs = matrices.clone()
     torch_powersgd._orthogonalize(theirs)
-    _orthogonalize(matrices)
+    orthogonalize(matrices)
     assert torch.equal(matrices, theirs)
     eye = torch.eye(rank).expand(3, rank, rank)
     assert torch.allclose(matrices.transpose(1, 2) @ matrices, eye, atol=1e-5)
@@ -832,7 +830,7 @@ def test_orthogonalize_matches_torch_and_keeps_zero_columns_finite(rank: int) ->
     degenerate = torch.randn(3, 10, rank)
     degenerate[0] = 0
     degenerate[1, :, 0] = 0
-    _orthogonalize(degenerate, epsilon=0)
+    orthogonalize(degenerate, epsilon=0)
     assert torch.isfinite(degenerate).all()
     if rank <= 2:  # Gram-Schmidt keeps zero columns zero
         assert not degenerate[0].any() and not degenerate[1, :, 0].any()
@@ -890,50 +888,3 @@ def test_foreign_buffer_sizes_are_refused() -> None:
         powerSGD_hook(state, FakeBucket([(3, 4)], index=2))
     assert state.compression_stats() == (100 / 14, 100, 14)  # nothing counted
     assert torch.equal(state.error_dict[2], saved_error)  # nothing added
-
-
-def test_launcher_keeps_reservation_order_across_threads() -> None:
-    launcher = _OrderedLauncher()
-    launched: list[str] = []
-
-    def launch(name: str) -> Callable[[], torch.futures.Future[torch.Tensor]]:
-        def start() -> torch.futures.Future[torch.Tensor]:
-            launched.append(name)
-            future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-            future.set_result(torch.tensor([len(launched)]))
-            return future
-
-        return start
-
-    cpu = torch.device("cpu")
-    first = launcher.reserve(cpu)  # e.g. bucket 0's Q, waiting for its P
-    second = launcher.launch(launch("second"), cpu)  # bucket 1's first collective
-    assert launched == [] and not second.done()
-    releaser = threading.Thread(target=launcher.release, args=(first, launch("first")))
-    releaser.start()
-    releaser.join()
-    launcher.wait_until_launched()
-    assert launched == ["first", "second"]
-    assert first.future.wait().item() == 1 and second.wait().item() == 2
-
-    # a slot that cannot be launched stops the launcher: the later ones would pair with the peers' version
-    # of the missing collective, so they fail without launching, now and from then on
-    blocked = launcher.reserve(cpu)
-    after = launcher.launch(launch("after"), cpu)
-    launcher.cancel(blocked, RuntimeError("its P failed"))
-    with pytest.raises(RuntimeError, match="its P failed"):
-        blocked.future.wait()
-    for future in (after, launcher.launch(launch("later"), cpu)):
-        with pytest.raises(RuntimeError, match=r"collective not launched: an earlier collective of this hook failed "
-                           r"on this rank \(RuntimeError: its P failed\)"):
-            future.wait()
-    launcher.wait_until_launched()  # nothing left waiting
-    assert launched == ["first", "second"]
-
-    failing = _OrderedLauncher()  # launching itself raises: the same
-    broken = failing.launch(lambda: (_ for _ in ()).throw(ConnectionError("peer gone")), cpu)
-    with pytest.raises(ConnectionError, match="peer gone"):
-        broken.wait()
-    with pytest.raises(RuntimeError, match="collective not launched"):
-        failing.launch(launch("never"), cpu).wait()
-    assert launched == ["first", "second"]

@@ -30,6 +30,7 @@ from gradcomm.ddp.distributed import CHECK_PARAMETERS_EVERY
 from gradcomm.hooks import default_hooks, powerSGD_hook
 from gradcomm.hooks.debugging_hooks import noop_hook
 from gradcomm.hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+from gradcomm.hooks.powersgd import kernel as powersgd_kernel
 from gradcomm.testing import run_on_ranks
 from tests.helpers import error_text
 
@@ -153,12 +154,12 @@ def _failed_powersgd_stage() -> dict[str, Any]:
     ddp = gradcomm.DistributedDataParallel(model, process_group=group, bucket_cap_mb=2048 / 2**20)
     state = powerSGD_hook.PowerSGDState(group, matrix_approximation_rank=2, start_powerSGD_iter=2)
     ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    original = powerSGD_hook._orthogonalize
-    powerSGD_hook._orthogonalize = _FailingOnP(original, rows=16)  # the P of the 16x32 weight
+    original = powersgd_kernel.orthogonalize
+    powersgd_kernel.orthogonalize = _FailingOnP(original, rows=16)  # the P of the 16x32 weight
     try:
         outcome = _steps(ddp, 4)
     finally:
-        powerSGD_hook._orthogonalize = original
+        powersgd_kernel.orthogonalize = original
     dist.barrier()  # rank 1 stays until rank 0 has failed: its exit would close the connections early
     return {"buckets": ddp.reducer.bucket_parameter_names(), "outcome": outcome}
 

@@ -1,0 +1,66 @@
+"""Small helpers on ``torch.futures.Future``, in one place.
+
+Hooks return futures, collectives produce them, and the reducer waits on them. These helpers build new
+futures on the right device, combine several into one, adapt a ``torch.distributed`` work handle, and wait
+for leftovers without raising. (torchft keeps the same kind of helpers in a single ``futures.py``.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["completed", "future_of", "new_future", "wait_quietly", "when_all"]
+
+T = TypeVar("T")
+
+
+def new_future(device: torch.device) -> torch.futures.Future[Any]:
+    """An empty future whose value will live on ``device`` (CUDA futures must know their device)."""
+    return torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
+
+
+def completed(value: T) -> torch.futures.Future[T]:
+    """A future already holding ``value``."""
+    future: torch.futures.Future[T] = torch.futures.Future()
+    future.set_result(value)
+    return future
+
+
+def when_all(futures: Sequence[torch.futures.Future[Any]]) -> torch.futures.Future[list[Any]]:
+    """A future of the values of ``futures``, in order; it fails with the first of them that fails."""
+    if len(futures) == 1:
+        return futures[0].then(lambda fut: [fut.value()])
+    return torch.futures.collect_all(list(futures)).then(lambda fut: [each.value() for each in fut.value()])
+
+
+def future_of(work: dist.Work, result: T) -> torch.futures.Future[T]:
+    """A future that completes with ``result`` when ``work`` does, and fails with its error.
+
+    Some backend/collective pairs (gloo's reduce-scatter) have no future: those are waited for here.
+    """
+    try:
+        future = work.get_future()
+    except RuntimeError:
+        work.wait()
+        return completed(result)
+
+    def done(fut: torch.futures.Future[Any]) -> T:
+        fut.value()  # re-raises the collective's error, if any
+        return result
+
+    return future.then(done)
+
+
+def wait_quietly(futures: Iterable[torch.futures.Future[Any] | None]) -> None:
+    """Wait for every future that is not done, ignoring errors (already reported elsewhere), so that no
+    collective outlives the step that launched it."""
+    for future in futures:
+        if future is not None and not future.done():
+            try:
+                future.wait()
+            except Exception:
+                pass

@@ -1,0 +1,10 @@
+"""PowerSGD, split by job: :mod:`.state` (options, per-bucket buffers, checkpoints), :mod:`.kernel` (the
+linear algebra) and :mod:`.hook` (what each bucket compresses and the order of its collectives).
+
+The public, torch-compatible import path is :mod:`gradcomm.hooks.powerSGD_hook`.
+"""
+
+from gradcomm.hooks.powersgd.hook import batched_powerSGD_hook, powerSGD_hook
+from gradcomm.hooks.powersgd.state import PowerSGDState
+
+__all__ = ["PowerSGDState", "batched_powerSGD_hook", "powerSGD_hook"]

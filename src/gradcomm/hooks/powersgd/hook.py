@@ -1,0 +1,247 @@
+"""The PowerSGD hooks: what each bucket compresses, and the order of its collectives.
+
+:func:`powerSGD_hook` compresses each worthwhile matrix of a bucket on its own (layer-wise);
+:func:`batched_powerSGD_hook` compresses the whole bucket as one square matrix. Both average plainly for the
+first ``start_powerSGD_iter`` iterations. The algorithm and its trade-offs are described in
+:mod:`gradcomm.hooks.powerSGD_hook`.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from gradcomm import comm
+from gradcomm.hooks.powersgd import kernel
+from gradcomm.hooks.powersgd.state import (
+    Layout,
+    PowerSGDState,
+    add_error,
+    check_saved_state,
+    count,
+    describe,
+    layout_of,
+    q_buffer,
+)
+
+__all__ = ["batched_powerSGD_hook", "powerSGD_hook"]
+
+
+def _end_call(state: PowerSGDState, bucket: dist.GradBucket) -> None:
+    """Count the iteration; the last bucket's call returns once the iteration's collectives are launched."""
+    state.maybe_increase_iter(bucket)
+    if bucket.is_last():
+        state._launcher.wait_until_launched()
+
+
+def _allreduce_mean(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Plain averaging, before compression starts (divided first, like torch's allreduce hook)."""
+    buffer = bucket.buffer()
+    group = state.process_group
+    buffer.div_(comm.group_size(group))
+    future = state._launcher.launch(lambda: comm.all_reduce(buffer, group), buffer.device)
+    _end_call(state, bucket)
+    return future
+
+
+def _sum_p_then_q(
+    state: PowerSGDState, p: torch.Tensor, q: torch.Tensor, compute_q: Callable[[], None]
+) -> torch.futures.Future[torch.Tensor]:
+    """Sum ``p`` over the ranks, then run ``compute_q`` (orthonormalize P, ``Q = M^T P`` into ``q``) and sum
+    ``q``; the future completes with the summed ``q``. Both collectives keep their place in the launch order.
+    """
+    launcher, group = state._launcher, state.process_group
+    p_summed = launcher.launch(lambda: comm.all_reduce(p, group), p.device)
+
+    def after_p(fut: torch.futures.Future[torch.Tensor]) -> Callable[[], torch.futures.Future[torch.Tensor]]:
+        fut.value()
+        compute_q()
+        return lambda: comm.all_reduce(q, group)
+
+    return launcher.launch_after(p_summed, after_p, p.device)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How a bucket is split: batches of matrices to compress, and (offset, numel) spans sent as they are."""
+
+    batches: tuple[kernel.Batch, ...]
+    uncompressed: tuple[tuple[int, int], ...]
+    numel_before: int
+    numel_after: int
+
+
+def _plan(state: PowerSGDState, layout: Layout) -> _Plan:
+    """Torch's choice and order: compressed matrices grouped by shape, shapes in order of first appearance.
+
+    A tensor with no rows or columns (a 0-dim scalar, an empty tensor) has rank 0 and goes with the
+    uncompressed ones; torch's hook fails on 0-dim tensors with an IndexError.
+    """
+    by_shape: dict[tuple[int, int, int], list[int]] = {}
+    uncompressed: list[tuple[int, int]] = []
+    offset = before = after = 0
+    for shape in layout:
+        numel = math.prod(shape)
+        before += numel
+        n = shape[0] if len(shape) > 0 else 0
+        m = numel // n if n > 0 else 0
+        rank = min(n, m, state.matrix_approximation_rank)
+        compressed_numel = (n + m) * rank
+        if rank > 0 and compressed_numel * state.min_compression_rate < numel:
+            by_shape.setdefault((n, m, rank), []).append(offset)
+            after += compressed_numel
+        else:
+            uncompressed.append((offset, numel))
+            after += numel
+        offset += numel
+    if state.batch_tensors_with_same_shape:
+        groups = [(offsets, key) for key, offsets in by_shape.items()]
+    else:
+        groups = [([o], key) for key, offsets in by_shape.items() for o in offsets]
+    batches = tuple(kernel.Batch(tuple(offsets), n, m, rank) for offsets, (n, m, rank) in groups)
+    return _Plan(batches, tuple(uncompressed), before, after)
+
+
+def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket's gradients, each matrix compressed to rank ``state.matrix_approximation_rank``.
+
+    Matrices worth compressing (see :class:`PowerSGDState`) are compressed layer by layer; the other
+    tensors are averaged by one allreduce. Plain averaging for the first ``state.start_powerSGD_iter``
+    iterations.
+
+    Example::
+
+        >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
+        >>> ddp_model.register_comm_hook(state, powerSGD_hook)
+    """
+    if state.iter < state.start_powerSGD_iter:
+        return _allreduce_mean(state, bucket)
+
+    buffer = bucket.buffer()
+    index = bucket.index()
+    layout = layout_of(bucket)
+    if sum(math.prod(shape) for shape in layout) != buffer.numel():
+        raise ValueError(
+            f"powerSGD_hook: bucket {index} holds {buffer.numel()} elements but its gradients "
+            f"{describe(layout)}: the gradients must tile the bucket buffer"
+        )
+    plan = _plan(state, layout)
+    q_numel = sum(b.q_numel for b in plan.batches)
+    check_saved_state(state, index, layout, buffer.numel(), q_numel)
+    count(state, bucket, plan.numel_before, plan.numel_after)
+
+    source = add_error(state, index, layout, buffer, buffer.numel()) if state.use_error_feedback else buffer
+    q_memory, fresh = q_buffer(state, index, layout, q_numel, buffer)
+    p_memory = buffer.new_empty(sum(b.p_numel for b in plan.batches))
+    ps = kernel.split(p_memory, [(len(b.offsets), b.rows, b.rank) for b in plan.batches])
+    qs = kernel.split(q_memory, [(len(b.offsets), b.cols, b.rank) for b in plan.batches])
+    matrices = [batch.matrices(source) for batch in plan.batches]
+
+    kernel.prepare_qs(qs, q_memory, fresh, state.rng, state.orthogonalization_epsilon)
+    for m, q, p in zip(matrices, qs, ps, strict=True):
+        torch.bmm(m, q, out=p)
+
+    pending: list[torch.futures.Future[torch.Tensor]] = []
+    uncompressed = torch.cat([source[o : o + n] for o, n in plan.uncompressed]) if plan.uncompressed else None
+    if uncompressed is not None:
+        pending.append(
+            state._launcher.launch(lambda: comm.all_reduce(uncompressed, state.process_group), buffer.device)
+        )
+    if plan.batches:
+
+        def compute_qs() -> None:
+            for p in ps:
+                kernel.orthogonalize(p, state.orthogonalization_epsilon)
+            for m, p, q in zip(matrices, ps, qs, strict=True):
+                torch.bmm(m.transpose(1, 2), p, out=q)
+
+        pending.append(_sum_p_then_q(state, p_memory, q_memory, compute_qs))
+    world_size = comm.group_size(state.process_group)
+
+    def decompress(fut: torch.futures.Future[list[torch.futures.Future[torch.Tensor]]]) -> torch.Tensor:
+        for done in fut.value():
+            done.value()
+        q_memory.div_(world_size)
+        for batch, p, q, m in zip(plan.batches, ps, qs, matrices, strict=True):
+            batch.decompress(p, q, m, buffer)
+        if uncompressed is not None:
+            kernel.scatter(uncompressed.div_(world_size), plan.uncompressed, buffer)
+        if state.use_error_feedback:
+            source.sub_(buffer)
+        return buffer
+
+    result = torch.futures.collect_all(pending).then(decompress)
+    _end_call(state, bucket)
+    return result
+
+
+
+def _square_matrix(
+    state: PowerSGDState, index: int, layout: Layout, buffer: torch.Tensor, side: int
+) -> torch.Tensor:
+    """The bucket (plus error) zero-padded to ``side x side``: the error buffer, the bucket itself, or a copy."""
+    if state.use_error_feedback:
+        return add_error(state, index, layout, buffer, side * side).view(side, side)
+    if buffer.numel() == side * side:
+        return buffer.view(side, side)
+    padded = buffer.new_zeros(side * side)
+    padded[: buffer.numel()].copy_(buffer)
+    return padded.view(side, side)
+
+
+
+def batched_powerSGD_hook(
+    state: PowerSGDState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket's gradients, the whole bucket compressed as one zero-padded square matrix.
+
+    Faster than :func:`powerSGD_hook` but usually much less accurate unless ``matrix_approximation_rank``
+    is 1: unrelated layers share one matrix. Plain averaging for the first ``state.start_powerSGD_iter``
+    iterations.
+
+    Example::
+
+        >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
+        >>> ddp_model.register_comm_hook(state, batched_powerSGD_hook)
+    """
+    if state.iter < state.start_powerSGD_iter:
+        return _allreduce_mean(state, bucket)
+
+    buffer = bucket.buffer()
+    index = bucket.index()
+    layout = layout_of(bucket)
+    length = buffer.numel()
+    side = kernel.square_side(length)
+    rank = min(state.matrix_approximation_rank, side)
+    check_saved_state(state, index, layout, side * side, side * rank)
+    count(state, bucket, length, 2 * side * rank)
+
+    matrix = _square_matrix(state, index, layout, buffer, side)
+    q_memory, fresh = q_buffer(state, index, layout, side * rank, buffer)
+    q = q_memory.view(side, rank)
+    kernel.prepare_qs([q.unsqueeze(0)], q_memory, fresh, state.rng, state.orthogonalization_epsilon)
+    p = torch.matmul(matrix, q)
+
+    def compute_q() -> None:
+        kernel.orthogonalize(p.unsqueeze(0), state.orthogonalization_epsilon)
+        torch.matmul(matrix.t(), p, out=q)
+
+    q_summed = _sum_p_then_q(state, p, q_memory, compute_q)
+    world_size = comm.group_size(state.process_group)
+
+    def decompress(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        fut.value()
+        q.div_(world_size)
+        if state.use_error_feedback:
+            kernel.decompress_with_error(p, q, buffer, matrix, side)
+        else:
+            torch.matmul(p, q.t(), out=matrix)
+            if matrix.data_ptr() != buffer.data_ptr():
+                buffer.copy_(matrix.view(-1)[:length])
+        return buffer
+
+    result = q_summed.then(decompress)
+    _end_call(state, bucket)
+    return result
