@@ -32,8 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradcomm.testing import network
-from gradcomm.testing import run_on_ranks
+from gradcomm.testing import network, run_on_ranks
 from gradcomm.testing.network import (
     RANK_IFNAME,
     NetworkSetupError,

@@ -16,6 +16,7 @@ ranks exchange payloads of equal size without first agreeing on it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import enum
 import hashlib
 from abc import ABC, abstractmethod
@@ -41,6 +42,10 @@ __all__ = [
 ]
 
 Payload = list[torch.Tensor]
+
+_STREAM_KEY: contextvars.ContextVar[Hashable] = contextvars.ContextVar("gradcomm_compression_stream", default=None)
+"""The key of the tensor being compressed on this thread: a second stage may compress on a backend thread
+while the hook's thread compresses the next bucket."""
 
 
 class ErrorFeedback(enum.Enum):
@@ -143,24 +148,24 @@ class RandomizedCompressor(Compressor):
     def __init__(self, seed: int = 0):
         self.seed = seed
         self._draws: dict[Hashable, int] = {}
-        self._key: Hashable = None
 
     @contextlib.contextmanager
     def stream(self, key: Hashable) -> Iterator[None]:
-        previous, self._key = self._key, key
+        token = _STREAM_KEY.set(key)
         try:
             yield
         finally:
-            self._key = previous
+            _STREAM_KEY.reset(token)
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """A generator on ``device`` for the next draw of the current key (``None`` on the meta device)."""
         if device.type == "meta":
             return None
-        count = self._draws.get(self._key, 0)
-        self._draws[self._key] = count + 1
+        key = _STREAM_KEY.get()
+        count = self._draws.get(key, 0)
+        self._draws[key] = count + 1
         rank = 0 if self.shared_randomness or not dist.is_initialized() else dist.get_rank()
-        digest = hashlib.blake2b(repr((self.seed, rank, self._key, count)).encode(), digest_size=8).digest()
+        digest = hashlib.blake2b(repr((self.seed, rank, key, count)).encode(), digest_size=8).digest()
         return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)
 
     def state_dict(self) -> dict[str, Any]:

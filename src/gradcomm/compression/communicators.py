@@ -11,7 +11,9 @@ A compressor names one communicator in its ``communicator`` attribute:
   :class:`~gradcomm.compression.base.RowwiseCompressor` s (8-bit ByteGrad, 1-bit compressed allreduce).
 
 A communicator serves all the tensors of one bucket that use it with one collective (per stage), whatever
-their count. Every collective goes through :mod:`gradcomm.comm`, so it is counted in ``comm.traffic``.
+their count. Every collective goes through :mod:`gradcomm.comm`, so it is counted, and is launched through the
+hook state's :class:`~gradcomm.comm.launcher.OrderedLauncher`: a second stage starts when the first one's
+result is in, in its reserved place, without blocking the hook's thread.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import torch
 from torch.distributed import ProcessGroup
 
 from gradcomm import comm
+from gradcomm.comm.futures import when_all
+from gradcomm.comm.launcher import Launch, OrderedLauncher
 from gradcomm.compression._numerics import ordered_mean
 from gradcomm.compression.base import Compressor, Payload, RowwiseCompressor, TensorSpec
 from gradcomm.compression.memory import Memory, NoMemory
@@ -37,7 +41,6 @@ __all__ = [
     "Communicator",
     "Message",
     "TwoStageAllreduce",
-    "when_all",
 ]
 
 
@@ -49,13 +52,6 @@ class Message:
     compressor: Compressor
     payload: Payload
     ctx: Any
-
-
-def when_all(futures: Sequence[torch.futures.Future[Any]]) -> torch.futures.Future[list[Any]]:
-    """A future of the values of ``futures``, in order."""
-    if len(futures) == 1:
-        return futures[0].then(lambda fut: [fut.value()])
-    return torch.futures.collect_all(list(futures)).then(lambda fut: [each.value() for each in fut.value()])
 
 
 def compensated_compress(
@@ -92,11 +88,16 @@ class Communicator(ABC):
 
     @abstractmethod
     def exchange(
-        self, messages: Sequence[Message], group: ProcessGroup | None, memory: Memory
+        self,
+        messages: Sequence[Message],
+        group: ProcessGroup | None,
+        memory: Memory,
+        launcher: OrderedLauncher,
     ) -> torch.futures.Future[list[torch.Tensor]]:
         """Send ``messages``; the future holds each one's mean over ranks, decompressed, in order.
 
-        ``memory`` is for the communicator's own residuals (:class:`TwoStageAllreduce`'s second stage).
+        ``memory`` is for the communicator's own residuals (:class:`TwoStageAllreduce`'s second stage);
+        every collective is launched through ``launcher``.
         """
 
 
@@ -133,7 +134,11 @@ class Allreduce(Communicator):
     """
 
     def exchange(
-        self, messages: Sequence[Message], group: ProcessGroup | None, memory: Memory
+        self,
+        messages: Sequence[Message],
+        group: ProcessGroup | None,
+        memory: Memory,
+        launcher: OrderedLauncher,
     ) -> torch.futures.Future[list[torch.Tensor]]:
         world_size = comm.group_size(group)
         parts = [part for message in messages for part in message.payload]
@@ -146,7 +151,7 @@ class Allreduce(Communicator):
             torch.cat([parts[i].reshape(-1) for i in indices]).div_(world_size)
             for indices in by_dtype.values()
         ]
-        futures = [comm.all_reduce(flat, group) for flat in flats]
+        futures = [launcher.launch(_all_reduce(flat, group), flat.device) for flat in flats]
 
         def decompress(_: torch.futures.Future[list[torch.Tensor]]) -> list[torch.Tensor]:
             summed: dict[int, torch.Tensor] = {}
@@ -173,11 +178,16 @@ class Allgather(Communicator):
     """
 
     def exchange(
-        self, messages: Sequence[Message], group: ProcessGroup | None, memory: Memory
+        self,
+        messages: Sequence[Message],
+        group: ProcessGroup | None,
+        memory: Memory,
+        launcher: OrderedLauncher,
     ) -> torch.futures.Future[list[torch.Tensor]]:
         world_size = comm.group_size(group)
         templates = [part for message in messages for part in message.payload]
-        future = comm.all_gather_into_tensor(_pack_rows(templates, 1).view(-1), group)
+        packed = _pack_rows(templates, 1).view(-1)
+        future = launcher.launch(_all_gather(packed, group), packed.device)
 
         def aggregate(fut: torch.futures.Future[torch.Tensor]) -> list[torch.Tensor]:
             gathered = _unpack_rows(fut.value().view(world_size, -1), templates)
@@ -206,25 +216,17 @@ def _join_rows(rows: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     return rows.reshape(-1)[: spec.numel].view(spec.shape)
 
 
-def _all_to_all(rows: torch.Tensor, group: ProcessGroup | None) -> torch.futures.Future[torch.Tensor]:
+def _all_reduce(flat: torch.Tensor, group: ProcessGroup | None) -> Launch:
+    return lambda: comm.all_reduce(flat, group)
+
+
+def _all_gather(flat: torch.Tensor, group: ProcessGroup | None) -> Launch:
+    return lambda: comm.all_gather_into_tensor(flat, group)
+
+
+def _all_to_all(rows: torch.Tensor, group: ProcessGroup | None) -> Launch:
     """Send row ``j`` of ``rows`` to rank ``j``; the future holds the rows received, one per source rank."""
-    return comm.all_to_all_single(rows, group)
-
-
-def _then_launch(
-    future: torch.futures.Future[Any],
-    launch: Callable[[torch.futures.Future[Any]], torch.futures.Future[Any]],
-) -> torch.futures.Future[Any]:
-    """``launch(future)`` once ``future`` completes, always on this thread.
-
-    A second collective launched from a completion callback would run on the backend's thread (gloo) and could
-    be ordered differently on different ranks relative to the collectives of later buckets, pairing unrelated
-    collectives. NCCL futures are complete at launch (stream-ordered), so this does not block there; gloo's
-    first stage is waited for here.
-    """
-    if not future.done():
-        future.wait()
-    return launch(future)
+    return lambda: comm.all_to_all_single(rows, group)
 
 
 @dataclass(frozen=True)
@@ -263,19 +265,22 @@ class TwoStageAllreduce(Communicator):
         return Message(key, compressor, payload, ctx)
 
     def exchange(
-        self, messages: Sequence[Message], group: ProcessGroup | None, memory: Memory
+        self,
+        messages: Sequence[Message],
+        group: ProcessGroup | None,
+        memory: Memory,
+        launcher: OrderedLauncher,
     ) -> torch.futures.Future[list[torch.Tensor]]:
         world_size = comm.group_size(group)
         server_memory = memory if self.server_error_feedback else NoMemory()
         worker_parts = [part for message in messages for part in message.payload]
         worker_templates = [part[0] for part in worker_parts]
-        received = _all_to_all(_pack_rows(worker_parts, world_size), group)
+        rows = _pack_rows(worker_parts, world_size)
+        received = launcher.launch(_all_to_all(rows, group), rows.device)
+        reduced: list[tuple[Payload, Any]] = []  # stage 1's recompressed means, filled when it completes
 
-        def reduce_and_gather(
-            fut: torch.futures.Future[torch.Tensor],
-        ) -> torch.futures.Future[list[torch.Tensor]]:
+        def reduce(fut: torch.futures.Future[torch.Tensor]) -> Launch:
             parts = _unpack_rows(fut.value(), worker_templates)
-            reduced = []
             for message, its_parts in zip(messages, _split_by_message(parts, messages), strict=True):
                 rowwise = self._rowwise(message.compressor)
                 mean = ordered_mean(rowwise.decompress_rows(its_parts, message.ctx.rows), world_size)
@@ -290,22 +295,19 @@ class TwoStageAllreduce(Communicator):
                     )
                 )
             server_parts = [part for payload, _ in reduced for part in payload]
-            gathered = comm.all_gather_into_tensor(_pack_rows(server_parts, 1).view(-1), group)
+            return _all_gather(_pack_rows(server_parts, 1).view(-1), group)
 
-            def decompress(fut: torch.futures.Future[torch.Tensor]) -> list[torch.Tensor]:
-                rows = _unpack_rows(fut.value().view(world_size, -1), [part[0] for part in server_parts])
-                return [
-                    _join_rows(
-                        self._rowwise(message.compressor).decompress_rows(its_rows, ctx), message.ctx.spec
-                    )
-                    for message, its_rows, (_, ctx) in zip(
-                        messages, _split_by_message(rows, messages), reduced, strict=True
-                    )
-                ]
+        def decompress(fut: torch.futures.Future[torch.Tensor]) -> list[torch.Tensor]:
+            templates = [part[0] for payload, _ in reduced for part in payload]
+            rows = _unpack_rows(fut.value().view(world_size, -1), templates)
+            return [
+                _join_rows(self._rowwise(message.compressor).decompress_rows(its_rows, ctx), message.ctx.spec)
+                for message, its_rows, (_, ctx) in zip(
+                    messages, _split_by_message(rows, messages), reduced, strict=True
+                )
+            ]
 
-            return gathered.then(decompress)
-
-        return _then_launch(received, reduce_and_gather)
+        return launcher.launch_after(received, reduce, rows.device).then(decompress)
 
 
 ALLREDUCE = Allreduce()

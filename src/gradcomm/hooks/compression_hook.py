@@ -30,8 +30,10 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from gradcomm import comm
+from gradcomm.comm.futures import when_all
+from gradcomm.comm.launcher import OrderedLauncher
 from gradcomm.compression.base import Compressor
-from gradcomm.compression.communicators import Communicator, Message, when_all
+from gradcomm.compression.communicators import Communicator, Message
 from gradcomm.compression.identity import NoCompression
 from gradcomm.compression.memory import Memory, NoMemory, ResidualMemory
 from gradcomm.hooks.hook_state import HookState
@@ -81,6 +83,7 @@ class CompressionState(HookState):
         self.min_numel = min_numel
         self.memory: Memory = ResidualMemory() if self.error_feedback else NoMemory()
         self.server_memory = ResidualMemory()
+        self._launcher = OrderedLauncher()
         self._reset_caches()
 
     def _reset_caches(self) -> None:
@@ -124,12 +127,13 @@ class CompressionState(HookState):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.pop("_keys", None)
-        state.pop("_compressible", None)
+        for cache in ("_keys", "_compressible", "_launcher"):
+            state.pop(cache, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self._launcher = OrderedLauncher()
         self._reset_caches()
 
 
@@ -148,7 +152,9 @@ def compressed_allreduce_hook(
         message = communicator.encode(compressor, key, gradient, memory, world_size)
         batches.setdefault(communicator, []).append((position, message))
     futures = [
-        communicator.exchange([message for _, message in items], state.process_group, state.server_memory)
+        communicator.exchange(
+            [message for _, message in items], state.process_group, state.server_memory, state._launcher
+        )
         for communicator, items in batches.items()
     ]
     buffer = bucket.buffer()
@@ -160,7 +166,10 @@ def compressed_allreduce_hook(
         flat = torch.cat([averaged[position].reshape(-1) for position in range(len(gradients))])
         return flat.to(buffer.dtype).view(buffer.shape)
 
-    return when_all(futures).then(assemble)
+    result = when_all(futures).then(assemble)
+    if bucket.is_last():  # DDP's own collectives after the last bucket must come after all of the hook's
+        state._launcher.wait_until_launched()
+    return result
 
 
 def compression_hook(
