@@ -90,10 +90,33 @@ class TensorSpec:
 
 
 class Compressor(ABC):
-    """A gradient compression method (see the module docstring)."""
+    """A gradient compression method (see the module docstring).
+
+    A method registers itself under a name by its class keywords, which makes it a communication hook of
+    the registry (``register_comm_hook_by_name(ddp, "topk", ratio=0.01)``, ``gradcomm bench --hooks topk``)
+    whose options are its constructor's parameters::
+
+        class TopK(Compressor, name="topk", summary="top-k sparsification, error feedback"):
+            def __init__(self, ratio: float = 0.01): ...
+
+    Base classes and helpers (:class:`NoCompression`) leave ``name`` out and are not registered.
+    """
 
     communicator: ClassVar[Communicator]
     error_feedback: ErrorFeedback = ErrorFeedback.RECOMMENDED
+    name: ClassVar[str | None] = None
+    """The registry name of a registered method; ``None`` otherwise."""
+    summary: ClassVar[str] = ""
+    """One line for help texts."""
+
+    def __init_subclass__(cls, *, name: str | None = None, summary: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.name = name
+        cls.summary = summary
+        if name is not None:
+            from gradcomm.compression.registry import register
+
+            register(cls)
 
     @abstractmethod
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, Any]:

@@ -34,8 +34,8 @@ from gradcomm.comm.futures import when_all
 from gradcomm.comm.launcher import OrderedLauncher
 from gradcomm.compression.base import Compressor
 from gradcomm.compression.communicators import Communicator, Message
-from gradcomm.compression.identity import NoCompression
 from gradcomm.compression.memory import Memory, NoMemory, ResidualMemory
+from gradcomm.compression.methods.identity import NoCompression
 from gradcomm.hooks.hook_state import HookState
 
 __all__ = ["CompressionState", "compressed_allreduce_hook", "compression_hook"]

@@ -2,8 +2,10 @@
 
 Every hook is one :class:`HookSpec` entry of :class:`CommHookType`: its name, the module and function
 implementing it, how to build its state from a process group and options, and which options it takes.
-Adding a hook is adding one entry. Hook modules are imported only when their hook is chosen, so a broken
-or absent hook module affects only its own names.
+torch's hooks are the entries of ``_TORCH_HOOKS``; every compression method of :mod:`gradcomm.compression`
+adds its own entry by registering itself (:mod:`gradcomm.compression.registry`), with the options of its
+constructor. Hook modules are imported only when their hook is chosen, so a broken or absent hook module
+affects only its own names.
 
 Names are lower case (``powersgd``, ``quantize_per_tensor``, ``post_localsgd``); lookup ignores case,
 ``_`` and ``-``, so torch's :class:`~torch.distributed.algorithms.ddp_comm_hooks.DDPCommHookType` names
@@ -36,6 +38,10 @@ from types import ModuleType
 from typing import Any
 
 from torch.distributed import ProcessGroup
+
+from gradcomm.compression.base import Compressor
+from gradcomm.compression.registry import method_options
+from gradcomm.compression.registry import methods as compression_methods
 
 __all__ = [
     "CommHookType",
@@ -159,109 +165,77 @@ _COMPRESSION_OPTIONS = (
 )
 
 
-def compressed(compressor: str, *compressor_options: Option) -> dict[str, Any]:
-    """Entry fields for a :mod:`gradcomm.compression` method run by the generic compression hook.
+def compressed(method: type[Compressor]) -> HookSpec:
+    """The entry of a :mod:`gradcomm.compression` method, run by the generic compression hook.
 
-    ``compressor_options`` go to the compressor's constructor, the rest to ``CompressionState``.
+    Its options are the method's constructor parameters (from its signature and type hints), then those of
+    ``CompressionState``.
     """
-    own = {option.name for option in compressor_options}
+    own = tuple(Option(o.name, o.type, required=o.required) for o in method_options(method))
+    own_names = {option.name for option in own}
 
     def make(module: ModuleType, process_group: ProcessGroup | None, options: dict[str, Any]) -> Any:
-        from gradcomm import compression
+        compressor = method(**{k: v for k, v in options.items() if k in own_names})
+        rest = {k: v for k, v in options.items() if k not in own_names}
+        return module.CompressionState(compressor, process_group=process_group, **rest)
 
-        method = getattr(compression, compressor)(**{k: v for k, v in options.items() if k in own})
-        rest = {k: v for k, v in options.items() if k not in own}
-        return module.CompressionState(method, process_group=process_group, **rest)
-
-    return dict(
+    make.__qualname__ = f"compressed({method.__name__})"
+    assert method.name is not None
+    return HookSpec(
+        method.name,
         module="compression_hook",
         hook="compressed_allreduce_hook",
         state=make,
-        options=(*compressor_options, *_COMPRESSION_OPTIONS),
+        options=(*own, *_COMPRESSION_OPTIONS),
+        summary=method.summary,
     )
 
 
-class CommHookType(Enum):
-    """The hooks selectable by name; ``CommHookType.POWERSGD.value`` is its :class:`HookSpec`."""
-
-    ALLREDUCE = HookSpec(
-        "allreduce", "default_hooks", "allreduce_hook", summary="average gradients (DDP default)"
-    )
-    FP16_COMPRESS = HookSpec(
-        "fp16_compress", "default_hooks", "fp16_compress_hook", summary="all-reduce in float16"
-    )
-    BF16_COMPRESS = HookSpec(
-        "bf16_compress", "default_hooks", "bf16_compress_hook", summary="all-reduce in bfloat16"
-    )
-    QUANTIZE_PER_TENSOR = HookSpec(
+_TORCH_HOOKS = (
+    HookSpec("allreduce", "default_hooks", "allreduce_hook", summary="average gradients (DDP default)"),
+    HookSpec("fp16_compress", "default_hooks", "fp16_compress_hook", summary="all-reduce in float16"),
+    HookSpec("bf16_compress", "default_hooks", "bf16_compress_hook", summary="all-reduce in bfloat16"),
+    HookSpec(
         "quantize_per_tensor",
         "quantization_hooks",
         "quantization_pertensor_hook",
         summary="all-gather 8-bit gradients quantized per tensor",
-    )
-    QUANTIZE_PER_CHANNEL = HookSpec(
+    ),
+    HookSpec(
         "quantize_per_channel",
         "quantization_hooks",
         "quantization_perchannel_hook",
         summary="all-gather 8-bit gradients quantized per row",
-    )
-    POWERSGD = HookSpec(
-        "powersgd", hook="powerSGD_hook", summary="PowerSGD low-rank compression", **_POWERSGD
-    )
-    POWERSGD_RANK2 = HookSpec(
+    ),
+    HookSpec("powersgd", hook="powerSGD_hook", summary="PowerSGD low-rank compression", **_POWERSGD),
+    HookSpec(
         "powersgd_rank2",
         hook="powerSGD_hook",
         presets=(("matrix_approximation_rank", 2),),
         summary="PowerSGD, rank 2",
         **_POWERSGD,
-    )
-    BATCHED_POWERSGD = HookSpec(
+    ),
+    HookSpec(
         "batched_powersgd",
         hook="batched_powerSGD_hook",
         summary="PowerSGD on the whole bucket as one matrix",
         **_POWERSGD,
-    )
-    BATCHED_POWERSGD_RANK2 = HookSpec(
+    ),
+    HookSpec(
         "batched_powersgd_rank2",
         hook="batched_powerSGD_hook",
         presets=(("matrix_approximation_rank", 2),),
         summary="batched PowerSGD, rank 2",
         **_POWERSGD,
-    )
-    NOOP = HookSpec("noop", "debugging_hooks", "noop_hook", summary="no communication (for measurements)")
-    ALLGATHER = HookSpec(
+    ),
+    HookSpec("noop", "debugging_hooks", "noop_hook", summary="no communication (for measurements)"),
+    HookSpec(
         "allgather",
         "allgather_hooks",
         "allgather_then_aggregate_hook",
         summary="all-gather the buckets, then average",
-    )
-    TOPK = HookSpec(
-        "topk", summary="top-k sparsification, error feedback", **compressed("TopK", Option("ratio", float))
-    )
-    RANDOMK = HookSpec(
-        "randomk",
-        summary="random-k sparsification, shared coordinates (summable)",
-        **compressed("RandomK", Option("ratio", float), Option("unbiased", bool), Option("seed", int)),
-    )
-    EF_SIGNSGD = HookSpec(
-        "efsign", summary="scaled sign with error feedback (EF-SignSGD)", **compressed("EFSignSGD")
-    )
-    SIGNSGD = HookSpec("signsgd", summary="signSGD with majority vote", **compressed("SignSGD"))
-    QSGD = HookSpec(
-        "qsgd",
-        summary="QSGD stochastic quantization (unbiased)",
-        **compressed("QSGD", Option("levels", int), Option("bucket_size", int), Option("seed", int)),
-    )
-    TERNGRAD = HookSpec(
-        "terngrad",
-        summary="TernGrad ternary quantization",
-        **compressed("TernGrad", Option("clip", float), Option("seed", int)),
-    )
-    BYTEGRAD = HookSpec(
-        "bytegrad", summary="8-bit min-max quantization, all-to-all then all-gather", **compressed("ByteGrad")
-    )
-    ONEBIT = HookSpec("onebit", summary="two-stage error-compensated 1-bit allreduce", **compressed("OneBit"))
-    POST_LOCALSGD = HookSpec(
+    ),
+    HookSpec(
         "post_localsgd",
         "post_localSGD_hook",
         "post_localSGD_hook",
@@ -269,7 +243,19 @@ class CommHookType(Enum):
         options=_POST_LOCALSGD_OPTIONS,
         check=_post_localsgd_offline,
         summary="global all-reduce, then local SGD (pair with PeriodicModelAverager)",
-    )
+    ),
+)
+
+CommHookType = Enum(  # type: ignore[misc]
+    "CommHookType",
+    [(spec.name.upper(), spec) for spec in _TORCH_HOOKS]
+    + [(name.upper(), compressed(method)) for name, method in compression_methods().items()],
+    module=__name__,
+)
+CommHookType.__doc__ = """The hooks selectable by name; ``CommHookType.POWERSGD.value`` is its :class:`HookSpec`.
+
+torch's hooks come first, then every registered compression method (:mod:`gradcomm.compression.registry`).
+"""
 
 
 @dataclass(frozen=True)

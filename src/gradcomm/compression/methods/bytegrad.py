@@ -26,7 +26,9 @@ __all__ = ["ByteGrad"]
 _LEVELS = 255
 
 
-class ByteGrad(RowwiseCompressor):
+class ByteGrad(
+    RowwiseCompressor, name="bytegrad", summary="8-bit min-max quantization, all-to-all then all-gather"
+):
     """Round-to-nearest 8-bit quantization between each row's minimum and maximum."""
 
     communicator = TwoStageAllreduce(server_error_feedback=False)

@@ -20,7 +20,7 @@ from gradcomm.compression.communicators import ALLGATHER
 __all__ = ["EFSignSGD"]
 
 
-class EFSignSGD(Compressor):
+class EFSignSGD(Compressor, name="efsign", summary="scaled sign with error feedback (EF-SignSGD)"):
     """Scaled sign: one bit per coordinate and the tensor's mean magnitude."""
 
     communicator = ALLGATHER

@@ -27,7 +27,7 @@ from gradcomm.compression.communicators import TwoStageAllreduce
 __all__ = ["OneBit"]
 
 
-class OneBit(RowwiseCompressor):
+class OneBit(RowwiseCompressor, name="onebit", summary="two-stage error-compensated 1-bit allreduce"):
     """Signs with one RMS scale per row."""
 
     communicator = TwoStageAllreduce(server_error_feedback=True)

@@ -24,7 +24,7 @@ from gradcomm.compression.communicators import ALLGATHER
 __all__ = ["TopK"]
 
 
-class TopK(Compressor):
+class TopK(Compressor, name="topk", summary="top-k sparsification, error feedback"):
     """Keep the ``ceil(ratio * numel)`` (at least one) largest-magnitude coordinates of each tensor."""
 
     communicator = ALLGATHER

@@ -24,7 +24,7 @@ from gradcomm.compression.communicators import ALLGATHER
 __all__ = ["TernGrad"]
 
 
-class TernGrad(RandomizedCompressor):
+class TernGrad(RandomizedCompressor, name="terngrad", summary="TernGrad ternary quantization"):
     """Unbiased ternary gradients with one scale per tensor (optionally clipped first)."""
 
     communicator = ALLGATHER

@@ -24,7 +24,7 @@ from gradcomm.compression.communicators import ALLGATHER
 __all__ = ["QSGD"]
 
 
-class QSGD(RandomizedCompressor):
+class QSGD(RandomizedCompressor, name="qsgd", summary="QSGD stochastic quantization (unbiased)"):
     """Unbiased stochastic quantization to ``levels`` levels per sign, with one norm per bucket."""
 
     communicator = ALLGATHER

@@ -29,7 +29,9 @@ from gradcomm.compression.communicators import ALLREDUCE
 __all__ = ["RandomK"]
 
 
-class RandomK(RandomizedCompressor):
+class RandomK(
+    RandomizedCompressor, name="randomk", summary="random-k sparsification, shared coordinates (summable)"
+):
     """Keep ``ceil(ratio * numel)`` coordinates chosen uniformly at random, the same on every rank."""
 
     communicator = ALLREDUCE

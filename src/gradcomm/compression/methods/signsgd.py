@@ -23,7 +23,7 @@ from gradcomm.compression.communicators import ALLGATHER
 __all__ = ["SignSGD"]
 
 
-class SignSGD(Compressor):
+class SignSGD(Compressor, name="signsgd", summary="signSGD with majority vote"):
     """One bit per coordinate; aggregated by majority vote."""
 
     communicator = ALLGATHER

@@ -1,0 +1,1 @@
+"""One module per compression method; each registers itself (see :mod:`gradcomm.compression.registry`)."""
