@@ -13,7 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 import gradcomm
+from gradcomm import comm
 from gradcomm.hooks import allgather_hooks, debugging_hooks, default_hooks
+from gradcomm.hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from gradcomm.testing import run_on_ranks
 
 # Linear(10, 20) + Linear(20, 5): 220 + 105 = 325 float32 parameters, one bucket of 1300 bytes.
@@ -76,6 +78,17 @@ def telemetry_checks(jsonl_dir: str) -> dict[str, Any]:
     legacy = gradcomm.LegacyDistributedDataParallel(_model(), world_size=dist.get_world_size())
     _train(legacy, 2, legacy=True)
     out["legacy"] = legacy.comm_stats().total.as_dict()
+
+    # two DDPs in one process, reduced in the same backward: each counts its own hook's traffic only, PowerSGD's
+    # Q (launched later, from a callback) included, and nothing launched outside the hooks
+    plain, compressed = gradcomm.DistributedDataParallel(_model()), gradcomm.DistributedDataParallel(_model())
+    compressed.register_comm_hook(PowerSGDState(None, start_powerSGD_iter=2), powerSGD_hook)
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * dist.get_rank() + step)
+        x = torch.randn(8, 10, generator=g)
+        (plain(x).pow(2).mean() + compressed(x).pow(2).mean()).backward()
+        comm.all_reduce(torch.ones(100)).wait()  # counted for the process, not for either DDP
+    out["two_ddps"] = {"plain": plain.comm_stats().last.as_dict(), "powersgd": compressed.comm_stats().last.as_dict()}
     return out
 
 
@@ -102,6 +115,10 @@ def test_telemetry(tmp_path: Any, world_size: int) -> None:
         ), out["log_messages"]
         assert out["after_reset"]["steps"] == 0 and out["after_reset"]["bytes_sent"] == 0
         assert out["legacy"]["bytes_sent"] == 2 * DENSE_BYTES and out["legacy"]["steps"] == 2
+        plain, powersgd = out["two_ddps"]["plain"], out["two_ddps"]["powersgd"]
+        assert plain["bytes_sent"] == DENSE_BYTES and plain["collective_calls"] == 1, plain
+        # rank 1: P and Q of both weights ((20 + 10) + (5 + 20) floats) and the 25 biases, in 3 collectives
+        assert powersgd["bytes_sent"] == (30 + 25 + 25) * 4 and powersgd["collective_calls"] == 3, powersgd
         lines = (tmp_path / f"rank{rank}.jsonl").read_text().splitlines()
         records = [json.loads(line) for line in lines]
         assert [r["step"] for r in records] == [1, 2, 3, 4]

@@ -1,21 +1,28 @@
 """Asynchronous collectives for communication hooks, returning ``torch.futures.Future`` and counting traffic.
 
 Hooks call these instead of ``torch.distributed`` directly so that every byte a gradcomm hook hands to a
-collective is counted in one place (:data:`traffic`), whatever DDP the hook is registered on. They are thin:
-each launches one ``torch.distributed`` collective with ``async_op=True`` and adapts its future.
+collective is counted in one place, whatever DDP the hook is registered on: in this process's :data:`traffic`,
+and in the account of the DDP whose hook launched it (:func:`counting_into`; collectives launched later from a
+callback through :class:`~gradcomm.comm.launcher.OrderedLauncher` are counted where they were reserved). They
+are thin: each launches one ``torch.distributed`` collective with ``async_op=True`` and adapts its future.
 
 ``group`` is a process group or ``None`` for the default (WORLD) group.
 """
 
 from __future__ import annotations
 
+import contextvars
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from gradcomm.comm.futures import future_of
 
 __all__ = [
     "Traffic",
@@ -25,6 +32,7 @@ __all__ = [
     "all_to_all_single",
     "broadcast",
     "collective_device",
+    "counting_into",
     "group_size",
     "reduce_scatter_tensor",
     "traffic",
@@ -75,24 +83,24 @@ traffic = Traffic()
 """This process's cumulative traffic through :mod:`gradcomm.comm`."""
 
 
-def _future_of(work: dist.Work, result: T) -> torch.futures.Future[T]:
-    """A future that completes with ``result`` when ``work`` does, and fails with its error.
+_ACCOUNT: contextvars.ContextVar[Traffic | None] = contextvars.ContextVar("gradcomm_traffic_account", default=None)
 
-    Some backend/collective pairs (gloo's reduce-scatter) have no future: those are waited for here.
-    """
+
+@contextmanager
+def counting_into(account: Traffic) -> Iterator[None]:
+    """Count the collectives launched inside (on this thread) in ``account`` too: one DDP's own traffic."""
+    token = _ACCOUNT.set(account)
     try:
-        future = work.get_future()
-    except RuntimeError:
-        work.wait()
-        completed: torch.futures.Future[T] = torch.futures.Future()
-        completed.set_result(result)
-        return completed
+        yield
+    finally:
+        _ACCOUNT.reset(token)
 
-    def done(fut: torch.futures.Future) -> T:
-        fut.value()  # re-raises the collective's error, if any
-        return result
 
-    return future.then(done)
+def _record(kind: str, *tensors: torch.Tensor) -> None:
+    traffic.record(kind, *tensors)
+    account = _ACCOUNT.get()
+    if account is not None:
+        account.record(kind, *tensors)
 
 
 _WIRE_FACTORS = {
@@ -128,27 +136,27 @@ def all_reduce(
     tensor: torch.Tensor, group: ProcessGroup | None = None, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
 ) -> torch.futures.Future[torch.Tensor]:
     """Reduce ``tensor`` in place across ``group``; the future holds ``tensor``."""
-    traffic.record("all_reduce", tensor)
+    _record("all_reduce", tensor)
     work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    return _future_of(work, tensor)
+    return future_of(work, tensor)
 
 
 def all_gather(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.futures.Future[list[torch.Tensor]]:
     """Gather ``tensor`` from every rank; the future holds the list, ordered by rank."""
-    traffic.record("all_gather", tensor)
+    _record("all_gather", tensor)
     outputs = [torch.empty_like(tensor) for _ in range(group_size(group))]
     work = dist.all_gather(outputs, tensor, group=group, async_op=True)
-    return _future_of(work, outputs)
+    return future_of(work, outputs)
 
 
 def all_gather_into_tensor(
     tensor: torch.Tensor, group: ProcessGroup | None = None
 ) -> torch.futures.Future[torch.Tensor]:
     """Gather ``tensor`` from every rank into one tensor of ``world_size * numel`` elements, rank-major."""
-    traffic.record("all_gather", tensor)
+    _record("all_gather", tensor)
     output = tensor.new_empty((group_size(group) * tensor.numel(),))
     work = _all_gather_single(output, tensor.reshape(-1), group=group, async_op=True)
-    return _future_of(work, output)
+    return future_of(work, output)
 
 
 def reduce_scatter_tensor(
@@ -161,10 +169,10 @@ def reduce_scatter_tensor(
             f"reduce_scatter_tensor: {tensor.numel()} elements do not split into {world_size} equal chunks; "
             "pad the tensor to a multiple of the world size"
         )
-    traffic.record("reduce_scatter", tensor)
+    _record("reduce_scatter", tensor)
     output = tensor.new_empty((tensor.numel() // world_size,))
     work = _reduce_scatter_single(output, tensor.reshape(-1), op=op, group=group, async_op=True)
-    return _future_of(work, output)
+    return future_of(work, output)
 
 
 def all_to_all_single(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.futures.Future[torch.Tensor]:
@@ -176,14 +184,14 @@ def all_to_all_single(tensor: torch.Tensor, group: ProcessGroup | None = None) -
             f"all_to_all_single: dimension 0 of size {tensor.shape[0]} does not split into {world_size} equal "
             "chunks; pad it to a multiple of the world size"
         )
-    traffic.record("all_to_all", tensor)
+    _record("all_to_all", tensor)
     output = torch.empty_like(tensor)
     work = dist.all_to_all_single(output, tensor.contiguous(), group=group, async_op=True)
-    return _future_of(work, output)
+    return future_of(work, output)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup | None = None) -> torch.futures.Future[torch.Tensor]:
     """Broadcast ``tensor`` in place from global rank ``src``; the future holds ``tensor``."""
-    traffic.record("broadcast", tensor)
+    _record("broadcast", tensor)
     work = dist.broadcast(tensor, src=src, group=group, async_op=True)
-    return _future_of(work, tensor)
+    return future_of(work, tensor)

@@ -22,6 +22,7 @@ One launcher per hook state: its order is that state's hook calls.
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -40,18 +41,21 @@ Launch = Callable[[], torch.futures.Future[Any]]
 class Slot:
     """A reserved place in the launch order; :attr:`future` completes with its collective's result."""
 
-    __slots__ = ("future", "launch")
+    __slots__ = ("context", "future", "launch")
 
     def __init__(self, device: torch.device) -> None:
         self.launch: Launch | None = None
         self.future: torch.futures.Future[Any] = new_future(device)
+        # launched in the context it was reserved in (whichever thread launches it): its traffic is counted
+        # for the DDP whose hook call reserved it
+        self.context = contextvars.copy_context()
 
     def _run(self) -> BaseException | None:
         """Launch the collective; return the exception if launching it failed."""
         assert self.launch is not None
         launch, self.launch = self.launch, None  # drop the closure once used: it holds buffers and the group
         try:
-            collective = launch()
+            collective = self.context.run(launch)
         except BaseException as exc:
             self._fail(exc)
             return exc

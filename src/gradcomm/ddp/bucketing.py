@@ -8,12 +8,21 @@ after the first iteration) and grouped by dtype and device, since a bucket is on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_BYTES", "assign_buckets", "bucket_size_limits"]
+from gradcomm.hooks.grad_bucket import GradBucket
+
+__all__ = [
+    "DEFAULT_BUCKET_CAP_MB",
+    "DEFAULT_FIRST_BUCKET_BYTES",
+    "Bucket",
+    "assign_buckets",
+    "bucket_size_limits",
+    "same_tensor",
+]
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
@@ -42,15 +51,26 @@ class _OpenBucket:
     closed_count: int = 0
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 def assign_buckets(
-    tensors: Sequence[torch.Tensor], order: Sequence[int], first_limit: int, limit: int
+    tensors: Sequence[torch.Tensor],
+    order: Sequence[int],
+    first_limit: int,
+    limit: int,
+    *,
+    size: Callable[[torch.Tensor], int] = _nbytes,
+    strict: bool = False,
 ) -> list[list[int]]:
     """Group ``tensors`` (visited in ``order``) into buckets; return each bucket's tensor indices.
 
-    Per (dtype, device), a bucket is closed as soon as its size reaches its limit: ``first_limit`` for the
-    first bucket of that kind, ``limit`` after. A tensor larger than ``limit`` gets a bucket of its own.
-    Buckets are returned in the order of their first tensor in ``order``, so they become ready one after
-    another.
+    Per (dtype, device), a bucket is closed as soon as its size (``size``: bytes by default) reaches its
+    limit: ``first_limit`` for the first bucket of that kind, ``limit`` after. With ``strict`` (fairseq's
+    legacy DDP, whose buffers have a fixed size) it is closed *before* a tensor that would take it past the
+    limit instead. A tensor larger than ``limit`` gets a bucket of its own. Buckets are returned in the order
+    of their first tensor in ``order``, so they become ready one after another.
     """
     position = {index: pos for pos, index in enumerate(order)}
     open_buckets: dict[tuple[torch.dtype, torch.device], _OpenBucket] = {}
@@ -64,8 +84,9 @@ def assign_buckets(
     for index in order:
         tensor = tensors[index]
         bucket = open_buckets.setdefault((tensor.dtype, tensor.device), _OpenBucket())
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes > limit and bucket.indices:
+        nbytes = size(tensor)
+        current_limit = first_limit if bucket.closed_count == 0 else limit
+        if bucket.indices and (nbytes > limit or strict and bucket.nbytes + nbytes > current_limit):
             close(bucket)
         bucket.indices.append(index)
         bucket.nbytes += nbytes
@@ -74,3 +95,40 @@ def assign_buckets(
     closed.extend(bucket.indices for bucket in open_buckets.values() if bucket.indices)
     closed.sort(key=lambda indices: position[indices[0]])
     return closed
+
+
+class Bucket:
+    """A flat gradient buffer for some parameters, with one view per parameter."""
+
+    def __init__(self, index: int, param_indices: list[int], params: Sequence[torch.nn.Parameter], is_last: bool):
+        members = [params[i] for i in param_indices]
+        self.index = index
+        self.param_indices = param_indices
+        self.params = members
+        self.is_last = is_last
+        self.lengths = [p.numel() for p in members]
+        self.offsets = [sum(self.lengths[:k]) for k in range(len(members))]
+        self.shapes = [p.shape for p in members]
+        self.buffer = torch.zeros(sum(self.lengths), dtype=members[0].dtype, device=members[0].device)
+        self.views = [
+            self.buffer[offset : offset + length].view(shape)
+            for offset, length, shape in zip(self.offsets, self.lengths, self.shapes, strict=True)
+        ]
+
+    def grad_bucket(self, buffer: torch.Tensor | None = None) -> GradBucket:
+        """A fresh hook-facing view of this bucket (``set_buffer`` on it must not outlive the iteration);
+        ``buffer`` replaces the bucket's own (a zero bucket for a joined rank's shadow step)."""
+        return GradBucket(
+            self.index,
+            self.buffer if buffer is None else buffer,
+            self.offsets,
+            self.lengths,
+            self.shapes,
+            self.params,
+            self.is_last,
+        )
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same memory seen the same way (a gradient already in its bucket)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype

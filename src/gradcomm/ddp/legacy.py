@@ -24,11 +24,11 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from gradcomm import comm
 from gradcomm.comm.faults import reporting_lost_peers
-from gradcomm.ddp.agreement import check_same_on_all_ranks, hook_fingerprint
+from gradcomm.ddp.bucketing import assign_buckets
+from gradcomm.ddp.hook_runner import HookRunner
 from gradcomm.ddp.telemetry import CommStats
-from gradcomm.hooks.contract import DEFAULT_HOOK_NAME, CommHook, call_hook, check_hook, hook_name, hook_result
+from gradcomm.hooks.contract import CommHook
 from gradcomm.hooks.grad_bucket import GradBucket
 
 __all__ = ["LegacyDistributedDataParallel"]
@@ -57,13 +57,9 @@ class LegacyDistributedDataParallel(nn.Module):
         self.process_group = process_group
         self.buffer_size = min(buffer_size, sum(p.numel() for p in module.parameters()))
         self.accumulate_grads = False
-        self._hook: CommHook | None = None
-        self._hook_state: Any = None
         self._reductions = 0
-        self._stats = CommStats(hook_name=DEFAULT_HOOK_NAME)
+        self._runner = HookRunner("LegacyDistributedDataParallel", process_group)
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        self._setup_checked = False
-        self._failure: str | None = None
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -84,67 +80,38 @@ class LegacyDistributedDataParallel(nn.Module):
         A collective: every rank must call it with the same hook and options; the ranks compare them and all
         raise :class:`~gradcomm.ddp.agreement.RanksDisagreeError` if they differ.
         """
-        check_hook(hook)
-        if self._hook is not None:
-            raise RuntimeError(
-                f"register_comm_hook can only be called once: hook {hook_name(self._hook)} is already "
-                f"registered, so {hook_name(hook)} cannot be"
-            )
-        if self._reductions:
-            raise RuntimeError(
-                f"register_comm_hook({hook_name(hook)}) must be called before the first all_reduce(); "
-                f"{self._reductions} already ran"
-            )
-        self._check_same_setup(hook, state)
-        self._hook, self._hook_state = hook, state
-        self._stats.hook_name = hook_name(hook)
+        too_late = f"before the first all_reduce(); {self._reductions} already ran" if self._reductions else None
+        self._runner.register(state, hook, too_late, self._setup())
 
-    def _check_same_setup(self, hook: CommHook | None, state: Any) -> None:
-        fingerprint = {
-            **hook_fingerprint(hook, state),
-            "buffer_size": repr(self.buffer_size),
-            "world_size": repr(self.world_size),
-        }
-        with reporting_lost_peers(None, "comparing the ranks' hooks", self.process_group):
-            check_same_on_all_ranks(fingerprint, self.process_group, "gradcomm.LegacyDistributedDataParallel")
-        self._setup_checked = True
+    def _setup(self) -> dict[str, str]:
+        return {"buffer_size": repr(self.buffer_size), "world_size": repr(self.world_size)}
 
     def comm_stats(self) -> CommStats:
         """This DDP's communication statistics on this rank (see :mod:`gradcomm.ddp.telemetry`)."""
-        return self._stats
+        return self._runner.stats
 
     def all_reduce(self) -> None:
         """Average the gradients over the ranks; call after ``backward()`` (a no-op inside ``no_sync()``)."""
         if self.accumulate_grads:
             return
-        if self._failure is not None:
-            raise RuntimeError(
-                f"LegacyDistributedDataParallel: an earlier all_reduce() failed on this rank ({self._failure}); "
-                "the ranks' collectives may no longer match, so it does not continue. Restart the job and "
-                "resume from the last checkpoint."
-            )
+        self._runner.check_usable("all_reduce()")
         try:
-            if not self._setup_checked:
-                self._check_same_setup(self._hook, self._hook_state)
+            if not self._runner.setup_checked:
+                self._runner.check_same_setup(self._setup())
             chunks = self._chunks()
-            self._stats.begin_step()
+            self._runner.stats.begin_step()
             for index, params in enumerate(chunks):
                 self._reduce(index, params, is_last=index == len(chunks) - 1)
         except BaseException as exc:
-            lines = str(exc).strip().splitlines()
-            self._failure = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+            self._runner.fail(exc)
             raise
-        self._stats.end_step()
+        self._runner.stats.end_step()
         self._reductions += 1
 
     def _chunks(self) -> list[list[nn.Parameter]]:
         """Trainable parameters in registration order, split by dtype and device into buffer-sized runs."""
-        open_runs: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
-        chunks: list[list[nn.Parameter]] = []
-        for param in self.module.parameters():
-            if not param.requires_grad:
-                continue
+        params = [param for param in self.module.parameters() if param.requires_grad]
+        for param in params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             if param.grad.requires_grad:
@@ -152,17 +119,10 @@ class LegacyDistributedDataParallel(nn.Module):
                     "LegacyDistributedDataParallel only works with gradients that don't require grad "
                     "(was backward called with create_graph=True?)"
                 )
-            key = (param.dtype, param.device)
-            if param.numel() > self.buffer_size:
-                chunks.append([param])
-                continue
-            if sizes.get(key, 0) + param.numel() > self.buffer_size:
-                chunks.append(open_runs.pop(key))
-                sizes[key] = 0
-            open_runs.setdefault(key, []).append(param)
-            sizes[key] = sizes.get(key, 0) + param.numel()
-        chunks.extend(open_runs.values())
-        return chunks
+        runs = assign_buckets(
+            params, range(len(params)), self.buffer_size, self.buffer_size, size=torch.Tensor.numel, strict=True
+        )
+        return [[params[i] for i in run] for run in runs]
 
     def _buffer_for(self, params: list[nn.Parameter]) -> torch.Tensor:
         numel = sum(p.numel() for p in params)
@@ -179,20 +139,13 @@ class LegacyDistributedDataParallel(nn.Module):
         buffer = self._buffer_for(params)
         for param, offset, length in zip(params, offsets, lengths, strict=True):
             buffer[offset : offset + length].copy_(param.grad.reshape(-1))
-        if self._hook is None:
+        if self._runner.averages_itself:
             buffer.div_(self.world_size)
-        self._stats.add_bucket(buffer.numel() * buffer.element_size())
-        self._stats.remember_input(index, buffer, averaged=self._hook is None)
         step, group = self._reductions, self.process_group
-        with self._stats.timing_hook():
-            if self._hook is None:
-                with reporting_lost_peers(step, f"bucket {index} (hook: {DEFAULT_HOOK_NAME})", group):
-                    future = comm.all_reduce(buffer, group)
-            else:
-                bucket = GradBucket(index, buffer, offsets, lengths, [p.shape for p in params], params, is_last)
-                future = call_hook(self._hook, self._hook_state, bucket, step, group)
-        result = hook_result(self._stats.hook_name, future, index, buffer, step, group)
+        bucket = GradBucket(index, buffer, offsets, lengths, [p.shape for p in params], params, is_last)
+        future = self._runner.launch(bucket, step)
+        result = self._runner.result(future, index, buffer, step)
         with reporting_lost_peers(step, f"bucket {index} (telemetry)", group):
-            self._stats.compare_result(index, result, group)
+            self._runner.stats.compare_result(index, result, group)
         for param, offset, length in zip(params, offsets, lengths, strict=True):
             param.grad.copy_(result[offset : offset + length].view_as(param))

@@ -34,61 +34,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from gradcomm import comm
 from gradcomm.comm.faults import NonFiniteGradientError, PeerLostError, reporting_lost_peers
-from gradcomm.ddp.agreement import check_same_on_all_ranks, hook_fingerprint
-from gradcomm.ddp.bucketing import assign_buckets, bucket_size_limits
+from gradcomm.comm.futures import wait_quietly
+from gradcomm.ddp.bucketing import Bucket, assign_buckets, bucket_size_limits, same_tensor
+from gradcomm.ddp.hook_runner import HookRunner
 from gradcomm.ddp.telemetry import CommStats
-from gradcomm.hooks.contract import (
-    DEFAULT_HOOK_NAME,
-    CommHook,
-    call_hook,
-    check_hook,
-    hook_name,
-    hook_result,
-    replicas_may_differ,
-)
-from gradcomm.hooks.grad_bucket import GradBucket
+from gradcomm.hooks.contract import CommHook
 
 __all__ = ["Reducer"]
 
 logger = logging.getLogger(__name__)
-
-
-class _Bucket:
-    """A flat gradient buffer for some parameters, with one view per parameter."""
-
-    def __init__(self, index: int, param_indices: list[int], params: Sequence[torch.nn.Parameter], is_last: bool):
-        members = [params[i] for i in param_indices]
-        self.index = index
-        self.param_indices = param_indices
-        self.params = members
-        self.is_last = is_last
-        self.lengths = [p.numel() for p in members]
-        self.offsets = [sum(self.lengths[:k]) for k in range(len(members))]
-        self.shapes = [p.shape for p in members]
-        self.buffer = torch.zeros(sum(self.lengths), dtype=members[0].dtype, device=members[0].device)
-        self.views = [
-            self.buffer[offset : offset + length].view(shape)
-            for offset, length, shape in zip(self.offsets, self.lengths, self.shapes, strict=True)
-        ]
-
-    def grad_bucket(self, buffer: torch.Tensor | None = None) -> GradBucket:
-        """A fresh hook-facing view of this bucket (``set_buffer`` on it must not outlive the iteration);
-        ``buffer`` replaces the bucket's own (a zero bucket for a joined rank's shadow step)."""
-        return GradBucket(
-            self.index,
-            self.buffer if buffer is None else buffer,
-            self.offsets,
-            self.lengths,
-            self.shapes,
-            self.params,
-            self.is_last,
-        )
-
-
-def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
@@ -149,12 +104,7 @@ class Reducer:
         # what every rank must agree on besides the hook and the buckets (the DDP's options that add collectives)
         self._settings = dict(settings or {})
         self._grad_scale = 1.0 / self._world_size  # the default reduction's divisor (join() may change it)
-        self._failure: str | None = None  # set when a synchronised step failed: no further steps
-        self._setup_checked = False  # whether the ranks have compared hooks and bucket layouts
-        self._hook: CommHook | None = None
-        self._hook_state: Any = None
-        self._hook_name = DEFAULT_HOOK_NAME
-        self.stats = CommStats(hook_name=DEFAULT_HOOK_NAME)
+        self._runner = HookRunner("gradcomm.DistributedDataParallel", process_group)
         self._synced_backwards = 0
         # torch does not rebuild with find_unused_parameters: the ready order then varies between iterations.
         self._rebuild_done = find_unused_parameters
@@ -171,6 +121,11 @@ class Reducer:
         ]
 
     # -- public API ----------------------------------------------------------------------------------------
+    @property
+    def stats(self) -> CommStats:
+        """This DDP's communication statistics (see :mod:`gradcomm.ddp.telemetry`)."""
+        return self._runner.stats
+
     @property
     def bucket_count(self) -> int:
         return len(self._buckets)
@@ -191,36 +146,25 @@ class Reducer:
         The ranks compare the hook's qualified name, its state's plain options and the bucket layout in one
         ``all_gather_object`` and all raise :class:`~gradcomm.ddp.agreement.RanksDisagreeError` if they differ.
         """
-        check_hook(hook)
-        if self._hook is not None:
-            raise RuntimeError(
-                f"register_comm_hook can only be called once: hook {self._hook_name} is already registered, "
-                f"so {hook_name(hook)} cannot be. Combine them into one hook, or build a new DDP."
+        too_late = None
+        if self._synced_backwards or self._armed and self._callback_queued or self._runner.setup_checked:
+            too_late = (
+                "before the first backward, and before the first synchronised forward (where the ranks compare "
+                f"their setup); {self._synced_backwards} synchronised backward pass(es) already ran with "
+                f"{self._runner.name}"
             )
-        if self._synced_backwards or self._armed and self._callback_queued or self._setup_checked:
-            raise RuntimeError(
-                f"register_comm_hook({hook_name(hook)}) must be called before the first backward, and before "
-                "the first synchronised forward (where the ranks compare their setup); "
-                f"{self._synced_backwards} synchronised backward pass(es) already ran with {self._hook_name}"
-            )
-        self._check_same_setup(hook, state)
-        self._hook, self._hook_state, self._hook_name = hook, state, hook_name(hook)
-        self.stats.hook_name = self._hook_name
+        self._runner.register(state, hook, too_late, self._setup())
 
-    def _check_same_setup(self, hook: CommHook | None, state: Any) -> None:
-        """Compare hook, hook options, bucket layout and the DDP's settings across the ranks (a collective)."""
+    def _setup(self) -> dict[str, str]:
+        """What the ranks must agree on besides the hook: bucket layout and the DDP's settings."""
         sizes = [bucket.buffer.numel() for bucket in self._buckets]
         dtypes = sorted({str(bucket.buffer.dtype) for bucket in self._buckets})
-        fingerprint = {
-            **hook_fingerprint(hook, state),
+        return {
             "bucket layout": f"{len(sizes)} bucket(s) of {sizes} elements ({', '.join(dtypes)})",
             "bucket_cap_mb": repr(self._bucket_cap_mb),
             "find_unused_parameters": repr(self._find_unused),
             **self._settings,
         }
-        with reporting_lost_peers(None, "comparing the ranks' hooks and bucket layouts", self._group):
-            check_same_on_all_ranks(fingerprint, self._group, "gradcomm.DistributedDataParallel")
-        self._setup_checked = True
 
     def bucket_layout(self) -> dict[str, Any]:
         """The bucket layout as plain values, for checkpoints: the parameter order the buckets are (or, after
@@ -247,21 +191,14 @@ class Reducer:
 
     def replicas_may_differ(self) -> bool:
         """Whether the registered hook leaves the replicas different on purpose at this point."""
-        return replicas_may_differ(self._hook, self._hook_state)
+        return self._runner.replicas_may_differ()
 
     def check_usable(self) -> None:
         """Raise if an earlier synchronised step failed on this rank: the ranks may be out of step."""
-        if self._failure is not None:
-            raise RuntimeError(
-                f"gradcomm.DistributedDataParallel: an earlier synchronised step failed on this rank "
-                f"({self._failure}). Its collectives may no longer match the other ranks', so this DDP does "
-                "not continue (that could mix gradients of different steps). Restart the job, or build a new "
-                "process group and DDP, and resume from the last checkpoint."
-            )
+        self._runner.check_usable()
 
     def _fail(self, exc: BaseException) -> None:
-        text = str(exc).strip().splitlines()
-        self._failure = f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+        self._runner.fail(exc)
         self._armed = False
 
     def set_active_ranks(self, count: int | None) -> None:
@@ -283,8 +220,8 @@ class Reducer:
                 "in forward on purpose, pass find_unused_parameters=True; if they are not trained, set "
                 "requires_grad=False on them before wrapping the model."
             )
-        if not self._setup_checked:
-            self._check_same_setup(self._hook, self._hook_state)
+        if not self._runner.setup_checked:
+            self._runner.check_same_setup(self._setup())
         if self._rebuild_order is not None:
             with reporting_lost_peers(self._synced_backwards, "rebuilding buckets", self._group):
                 self._rebuild_buckets(self._rebuild_order, source_rank=source_rank)
@@ -319,9 +256,9 @@ class Reducer:
         self._layout_order = order
         groups = assign_buckets(self._params, order, self._first_limit, self._limit)
         self._buckets = [
-            _Bucket(index, indices, self._params, index == len(groups) - 1) for index, indices in enumerate(groups)
+            Bucket(index, indices, self._params, index == len(groups) - 1) for index, indices in enumerate(groups)
         ]
-        self._location: list[tuple[_Bucket, torch.Tensor]] = [None] * len(self._params)  # type: ignore[list-item]
+        self._location: list[tuple[Bucket, torch.Tensor]] = [None] * len(self._params)  # type: ignore[list-item]
         for bucket in self._buckets:
             for index, view in zip(bucket.param_indices, bucket.views, strict=True):
                 self._location[index] = (bucket, view)
@@ -378,12 +315,12 @@ class Reducer:
         grad = param.grad
         if grad is None:
             view.zero_()
-        elif self._hook is not None:
-            if not _same_tensor(grad, view):
+        elif not self._runner.averages_itself:
+            if not same_tensor(grad, view):
                 view.copy_(grad)
         else:
             torch.mul(grad, self._grad_scale, out=view)  # as torch: pre-divide, then sum
-        if self._as_view and grad is not None and not _same_tensor(grad, view):
+        if self._as_view and grad is not None and not same_tensor(grad, view):
             param.grad = view
         self._pending[bucket.index] -= 1
         if self._pending[bucket.index] == 0:
@@ -397,10 +334,7 @@ class Reducer:
                     self._check_bucket_finite(bucket)
                 if bucket.index == 0:
                     self.stats.begin_step()
-                self.stats.add_bucket(bucket.buffer.numel() * bucket.buffer.element_size())
-                self.stats.remember_input(bucket.index, bucket.buffer, averaged=self._hook is None)
-                with self.stats.timing_hook():
-                    future = self._launch(bucket, bucket.grad_bucket())
+                future = self._runner.launch(bucket.grad_bucket(), self._synced_backwards)
                 self._futures[bucket.index] = future
                 self._next_bucket += 1
                 if future.done():  # if it failed, stop before the next bucket's collectives are launched
@@ -409,26 +343,18 @@ class Reducer:
             self._fail(exc)
             raise
 
-    def _raise_if_failed(self, bucket: _Bucket, future: torch.futures.Future) -> None:
+    def _raise_if_failed(self, bucket: Bucket, future: torch.futures.Future) -> None:
         """Raise if the completed ``future`` of ``bucket`` failed, naming the first launched bucket that did."""
         step = self._synced_backwards
         try:
-            hook_result(self._hook_name, future, bucket.index, bucket.buffer, step, self._group)
+            self._runner.result(future, bucket.index, bucket.buffer, step)
         except BaseException:
             for earlier in self._buckets[: bucket.index]:
                 if self._futures[earlier.index].done():
-                    hook_result(self._hook_name, self._futures[earlier.index], earlier.index, earlier.buffer, step, self._group)
+                    self._runner.result(self._futures[earlier.index], earlier.index, earlier.buffer, step)
             raise
 
-    def _launch(self, bucket: _Bucket, grad_bucket: GradBucket) -> torch.futures.Future:
-        """Start the hook (or the default allreduce) on ``grad_bucket``; failures name the step and bucket."""
-        step = self._synced_backwards
-        if self._hook is not None:
-            return call_hook(self._hook, self._hook_state, grad_bucket, step, self._group)
-        with reporting_lost_peers(step, f"bucket {bucket.index} (hook: {self._hook_name})", self._group):
-            return comm.all_reduce(grad_bucket.buffer(), self._group)
-
-    def _check_bucket_finite(self, bucket: _Bucket) -> None:
+    def _check_bucket_finite(self, bucket: Bucket) -> None:
         """``check_finite``: raise before ``bucket`` is sent if it holds NaN or infinity, naming the parameter."""
         if bool(torch.isfinite(bucket.buffer).all()):
             return
@@ -465,12 +391,12 @@ class Reducer:
                 self._unfinished = [self._names[i] for i in range(len(self._params)) if not self._ready[i]]
                 return
             results = [
-                hook_result(self._hook_name, future, bucket.index, bucket.buffer, step, self._group)
+                self._runner.result(future, bucket.index, bucket.buffer, step)
                 for bucket, future in zip(self._buckets, self._futures, strict=True)
             ]
             globally_used = self._after_last_bucket(step, results, self._locally_used)
             for bucket, result in zip(self._buckets, results, strict=True):
-                if not _same_tensor(result, bucket.buffer):
+                if not same_tensor(result, bucket.buffer):
                     bucket.buffer.copy_(result)
                 self._write_gradients(bucket, globally_used)
             self.stats.end_step()
@@ -500,12 +426,8 @@ class Reducer:
             launched = []
             for bucket in self._buckets:
                 zeros = torch.zeros_like(bucket.buffer)
-                self.stats.remember_input(bucket.index, zeros, averaged=self._hook is None)
-                launched.append((bucket, zeros, self._launch(bucket, bucket.grad_bucket(zeros))))
-            results = [
-                hook_result(self._hook_name, future, bucket.index, zeros, step, self._group)
-                for bucket, zeros, future in launched
-            ]
+                launched.append((bucket, zeros, self._runner.launch(bucket.grad_bucket(zeros), step)))
+            results = [self._runner.result(future, bucket.index, zeros, step) for bucket, zeros, future in launched]
             unused = torch.zeros(len(self._params), dtype=torch.int32) if self._find_unused else None
             self._after_last_bucket(step, results, unused)
         except BaseException as exc:
@@ -535,12 +457,12 @@ class Reducer:
                 self.stats.compare_result(bucket.index, result, self._group)
         return globally_used
 
-    def _write_gradients(self, bucket: _Bucket, globally_used: list[int] | None) -> None:
+    def _write_gradients(self, bucket: Bucket, globally_used: list[int] | None) -> None:
         for index, param, view in zip(bucket.param_indices, bucket.params, bucket.views, strict=True):
             if globally_used is not None and not globally_used[index]:
                 continue  # unused on every rank: .grad is left as it was, as torch does
             if self._as_view:
-                if param.grad is None or not _same_tensor(param.grad, view):
+                if param.grad is None or not same_tensor(param.grad, view):
                     param.grad = view
             elif param.grad is None:
                 param.grad = view.clone()
@@ -549,12 +471,7 @@ class Reducer:
 
     def _drain_futures(self) -> None:
         """Wait for every launched future so no collective outlives the iteration (errors already raised)."""
-        for future in self._futures:
-            if future is not None and not future.done():
-                try:
-                    future.wait()
-                except Exception:
-                    pass
+        wait_quietly(self._futures)
 
     def remove_hooks(self) -> None:
         for handle in self._grad_hook_handles:

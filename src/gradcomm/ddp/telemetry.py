@@ -3,7 +3,8 @@
 A DDP keeps one :class:`CommStats` (``ddp.comm_stats()``). Per step, on this rank, it records:
 
 * ``bytes_sent`` and ``collective_calls``: counted by :mod:`gradcomm.comm` from the tensors actually handed
-  to collectives (hooks that bypass ``gradcomm.comm``, such as torch's own, are not seen: 0 bytes);
+  to collectives by this DDP's hook (in its own :class:`~gradcomm.comm.Traffic` account, so two DDPs in one
+  process do not mix; hooks that bypass ``gradcomm.comm``, such as torch's own, are not seen: 0 bytes);
 * ``dense_bytes``: the size of the gradient buckets, i.e. what a plain allreduce would hand over, and
   ``compression_ratio = dense_bytes / bytes_sent``;
 * ``hook_seconds``: time spent inside the hook calls themselves (encoding, and launching collectives, which
@@ -67,6 +68,8 @@ class CommStats:
     jsonl_path: str | Path | None = None
     last: StepStats = field(default_factory=StepStats)
     total: StepStats = field(default_factory=StepStats)
+    traffic: comm.Traffic = field(default_factory=comm.Traffic, repr=False)
+    """Everything this DDP's hook handed to collectives (the DDP counts its hook calls into it)."""
     _current: StepStats | None = field(default=None, repr=False)
     _traffic_at_start: tuple[dict[str, int], int] = field(default=({}, 0), repr=False)
     _error_sums: list[float] = field(default_factory=lambda: [0.0, 0.0], repr=False)
@@ -83,7 +86,7 @@ class CommStats:
     # -- recording, called by the reducers -------------------------------------------------------------
     def begin_step(self) -> None:
         self._current = StepStats(steps=1)
-        self._traffic_at_start = (comm.traffic.snapshot(), comm.traffic.total_calls)
+        self._traffic_at_start = (self.traffic.snapshot(), self.traffic.total_calls)
         self._error_sums = [0.0, 0.0]
         self._inputs.clear()
 
@@ -123,10 +126,10 @@ class CommStats:
         if step is None:
             return
         before, calls_before = self._traffic_at_start
-        after = comm.traffic.snapshot()
+        after = self.traffic.snapshot()
         step.bytes_by_kind = {kind: n - before.get(kind, 0) for kind, n in after.items() if n != before.get(kind, 0)}
         step.bytes_sent = sum(step.bytes_by_kind.values())
-        step.collective_calls = comm.traffic.total_calls - calls_before
+        step.collective_calls = self.traffic.total_calls - calls_before
         if self.measure_error:
             difference, exact = self._error_sums
             step.compression_error = math.sqrt(difference / exact) if exact > 0 else math.sqrt(difference)
