@@ -1,12 +1,21 @@
-"""gradcomm.testing: results in rank order, failures carry the rank's traceback, nothing hangs."""
+"""gradcomm.testing: results in rank order, failures carry the rank's traceback, nothing hangs.
 
+The last tests look at the outcome of :func:`gradcomm.testing.processes.launch`, the core that both
+``run_on_ranks`` and ``gradcomm bench`` use, and at the options only the bench asks for.
+"""
+
+import ctypes
+import logging
 import os
+import signal
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from gradcomm.testing import RankError, run_on_ranks
+from gradcomm.testing.processes import Cause, launch
 
 
 def _sum_of_ranks(offset: float) -> float:
@@ -50,7 +59,8 @@ def test_tensors_can_be_returned():
 
 @pytest.mark.timeout(60)
 def test_failing_rank_traceback_is_reported():
-    with pytest.raises(RankError, match=r"(?s)failed on rank 1 of 2.*ValueError: boom on purpose.*_raise_on_rank_one"):
+    expected = r"(?s)failed on rank 1 of 2.*ValueError: boom on purpose.*_raise_on_rank_one"
+    with pytest.raises(RankError, match=expected):
         run_on_ranks(_raise_on_rank_one, 2, collective_timeout=10)
 
 
@@ -60,3 +70,59 @@ def test_dead_rank_and_stuck_rank_fail_within_timeout():
         run_on_ranks(_exit_on_rank_one, 2, collective_timeout=10)
     with pytest.raises(RankError, match=r"did not finish within 8 s"):
         run_on_ranks(_stall, 2, timeout=8)
+
+
+def _signals_seen() -> tuple[bool, int]:
+    """Whether this rank ignores SIGINT, and the signal it gets when its parent dies."""
+    death_signal = ctypes.c_int()
+    ctypes.CDLL(None).prctl(2, ctypes.byref(death_signal))  # PR_GET_PDEATHSIG
+    return signal.getsignal(signal.SIGINT) is signal.SIG_IGN, death_signal.value
+
+
+def _log_then_fail_on_rank_one() -> tuple[bool, int]:
+    print(f"stdout of rank {dist.get_rank()}", flush=True)
+    os.write(2, b"straight to fd 2\n")
+    logging.getLogger("gradcomm.check").info("rank is working")
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 fails on purpose")
+    return _signals_seen()
+
+
+def _rank_zero_dies_rank_one_sleeps() -> None:
+    if dist.get_rank() == 0:
+        os._exit(3)
+    time.sleep(60)
+
+
+@pytest.mark.timeout(60)
+def test_launch_defaults_die_with_parent_and_keep_sigint():
+    outcome = launch(_signals_seen, 1, timeout=50, collective_timeout=30)
+    assert outcome.cause is None and outcome.results() == [(False, signal.SIGKILL)]
+    assert (outcome.exitcodes, outcome.killed, outcome.logs, outcome.failures) == ([0], frozenset(), [], {})
+
+
+@pytest.mark.timeout(60)
+def test_launch_logs_ignores_sigint_and_names_the_raising_rank(tmp_path):
+    logs = tmp_path / "logs"
+    outcome = launch(
+        _log_then_fail_on_rank_one, 2, timeout=50, collective_timeout=30, log_dir=logs, ignore_sigint=True
+    )
+    assert outcome.cause == Cause("raised", 1) and outcome.unfinished == [1]
+    assert outcome.values == {0: (True, signal.SIGKILL)}
+    assert outcome.failures[1].startswith("ValueError: rank 1 fails on purpose\n\nTraceback")
+    assert (outcome.exitcodes, outcome.killed) == ([0, 1], frozenset())
+    assert outcome.logs == [logs / "rank0.log", logs / "rank1.log"]
+    for rank, log in enumerate(outcome.logs):
+        text = log.read_text()
+        assert f"stdout of rank {rank}" in text and "straight to fd 2" in text, text
+        assert f"rank {rank} (pid " in text and "gradcomm.check: rank is working" in text, text
+    assert "ValueError: rank 1 fails on purpose" in outcome.logs[1].read_text()
+
+
+@pytest.mark.timeout(60)
+def test_launch_dead_rank_is_the_cause_and_its_stuck_peer_is_killed():
+    start = time.monotonic()
+    outcome = launch(_rank_zero_dies_rank_one_sleeps, 2, timeout=50, collective_timeout=30)
+    assert outcome.cause == Cause("died", 0) and outcome.unfinished == [0, 1]
+    assert (outcome.exitcodes, outcome.killed) == ([3, -signal.SIGKILL], frozenset({1}))
+    assert time.monotonic() - start < 40  # the grace period, not the timeout

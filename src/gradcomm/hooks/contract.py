@@ -34,7 +34,8 @@ __all__ = [
 
 DEFAULT_HOOK_NAME = "default allreduce (no hook registered)"
 
-CommHook = Callable[[Any, GradBucket], torch.futures.Future]
+CommHook = Callable[[Any, "GradBucket | dist.GradBucket"], torch.futures.Future[torch.Tensor]]
+"""A communication hook: ``hook(state, bucket)`` returning a future of the bucket's reduced tensor."""
 
 _BUCKET_TYPES = (GradBucket, dist.GradBucket)
 _BUCKET_TYPE_NAMES = ("GradBucket", "dist.GradBucket", "gradcomm.GradBucket", "torch.distributed.GradBucket")

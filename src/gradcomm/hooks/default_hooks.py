@@ -31,7 +31,6 @@ Differences from ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``, 
   hold the 16-bit tensor.
 """
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from gradcomm import comm
+from gradcomm.hooks.contract import CommHook
 
 __all__ = [
     "allreduce_hook",
@@ -47,9 +47,6 @@ __all__ = [
     "fp16_compress_hook",
     "fp16_compress_wrapper",
 ]
-
-CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
-
 
 def _scale_to_mean(tensor: torch.Tensor, process_group: ProcessGroup | None) -> torch.Tensor:
     """Multiply ``tensor`` in place by ``1 / world_size``, the factor DDP's own reduction uses."""

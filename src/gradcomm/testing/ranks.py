@@ -4,7 +4,9 @@
 ``torch.distributed`` process group over a free localhost port, runs ``fn(*args)`` on each and returns
 the ranks' return values in rank order. It never hangs: the whole run has a hard timeout, every
 collective has the process group's timeout, and a rank that raises, dies or stalls makes the call raise
-:class:`RankError` carrying that rank's traceback, after every rank process has been killed.
+:class:`RankError` carrying that rank's traceback, after every rank process has been killed. The processes
+are started, watched and ended by :func:`gradcomm.testing.processes.launch`, which ``gradcomm bench`` uses
+too; this module words its outcome for tests.
 
 Example::
 
@@ -24,21 +26,12 @@ return value picklable (tensors included).
 
 from __future__ import annotations
 
-import datetime
-import multiprocessing as mp
-import os
-import pickle
-import queue
-import socket
-import time
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["RankError", "free_port", "run_on_ranks"]
+from gradcomm.testing.processes import Cause, Outcome, free_port, launch
 
-_POLL_SECONDS = 0.05
-_GRACE_SECONDS = 3.0
+__all__ = ["RankError", "free_port", "run_on_ranks"]
 
 
 class RankError(RuntimeError):
@@ -48,62 +41,6 @@ class RankError(RuntimeError):
         super().__init__(message)
         self.rank = rank
         self.remote_traceback = remote_traceback
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _rank_main(
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    rank: int,
-    world_size: int,
-    port: int,
-    backend: str,
-    collective_timeout: float,
-    results: mp.Queue,
-    namespace: str | None,
-    master_addr: str,
-) -> None:
-    if namespace is not None:
-        from gradcomm.testing.network import enter_namespace
-
-        enter_namespace(namespace)  # before torch starts any thread: threads inherit the namespace
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(
-        MASTER_ADDR=master_addr,
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
-    ok = False
-    try:
-        dist.init_process_group(
-            backend,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=collective_timeout),
-        )
-        # Plain pickle: the queue's own pickler would send tensors as shared-memory handles that die with the rank.
-        value = pickle.dumps(fn(*args))
-        results.put((rank, True, value, time.time()))
-        ok = True
-    except BaseException as exc:  # report everything, including KeyboardInterrupt and SystemExit
-        results.put((rank, False, f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}", time.time()))
-    # Flush the report, then exit without running the process groups' C++ destructors: after a lost peer,
-    # gloo's can throw from a background thread and abort the process (SIGABRT) with the report unsent.
-    results.close()
-    results.join_thread()
-    os._exit(0 if ok else 1)
 
 
 def run_on_ranks(
@@ -127,8 +64,8 @@ def run_on_ranks(
         backend: ``"gloo"`` (CPU) or ``"nccl"``.
         timeout: hard limit in seconds for the whole run, process start-up included.
         collective_timeout: the process group's timeout: a collective that waits longer fails on its rank.
-        namespaces: one network namespace per rank to run it in (see :class:`gradcomm.testing.network.ShapedNetwork`);
-            ``master_addr`` is then rank 0's address there.
+        namespaces: one network namespace per rank to run it in (see
+            :class:`gradcomm.testing.network.ShapedNetwork`); ``master_addr`` is then rank 0's address there.
         master_addr: address of rank 0's rendezvous store.
 
     Raises:
@@ -137,118 +74,43 @@ def run_on_ranks(
     """
     if world_size < 1:
         raise ValueError(f"run_on_ranks: world_size must be at least 1, got {world_size}")
-    if namespaces is not None and len(namespaces) != world_size:
-        raise ValueError(f"run_on_ranks: {len(namespaces)} namespaces given for {world_size} ranks")
-    ctx = mp.get_context("spawn")
-    results: mp.Queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(
-                fn,
-                tuple(args),
-                rank,
-                world_size,
-                port,
-                backend,
-                collective_timeout,
-                results,
-                None if namespaces is None else namespaces[rank],
-                master_addr,
-            ),
-            name=f"gradcomm-rank{rank}",
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    fn_name = getattr(fn, "__qualname__", repr(fn))
-    values: dict[int, Any] = {}
-    failures: dict[int, tuple[float, str]] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(values) + len(failures) < world_size:
-            if failures or time.monotonic() > deadline:
-                break
-            _collect(results, values, failures, _POLL_SECONDS)
-            dead = _dead_unreported(procs, values, failures)
-            if dead:
-                # A result put just before exit may still be in the pipe.
-                _collect(results, values, failures, _POLL_SECONDS)
-                if any(rank in _dead_unreported(procs, values, failures) for rank in dead):
-                    break
-        if len(values) < world_size:
-            # One rank's fault makes its peers fail too; wait briefly so the report can name the root cause.
-            grace = time.monotonic() + _GRACE_SECONDS
-            while len(values) + len(failures) < world_size and time.monotonic() < grace:
-                _collect(results, values, failures, _POLL_SECONDS)
-                if len(_dead_unreported(procs, values, failures)) + len(values) + len(failures) == world_size:
-                    break
-            raise _rank_error(fn_name, procs, values, failures, timeout)
-        for proc in procs:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
-    finally:
-        _kill_all(procs)
-        results.close()
-    return [values[rank] for rank in range(world_size)]
+    outcome = launch(
+        fn,
+        world_size,
+        args,
+        timeout=timeout,
+        collective_timeout=collective_timeout,
+        backend=backend,
+        namespaces=namespaces,
+        master_addr=master_addr,
+        name="gradcomm-rank",
+        caller="run_on_ranks",
+    )
+    if outcome.cause is not None:
+        raise _rank_error(getattr(fn, "__qualname__", repr(fn)), outcome, outcome.cause, timeout)
+    return outcome.results()
 
 
-def _collect(results: mp.Queue, values: dict[int, Any], failures: dict[int, tuple[float, str]], wait: float) -> None:
-    """Move one report from the queue, if any arrives within ``wait``; failures are kept in time order."""
-    try:
-        rank, ok, value, when = results.get(timeout=wait)
-    except queue.Empty:
-        return
-    if ok:
-        values[rank] = pickle.loads(value)
-    else:
-        failures[rank] = (when, value)
-
-
-def _dead_unreported(procs: list[mp.Process], values: dict[int, Any], failures: dict[int, tuple[float, str]]) -> list[int]:
-    return [
-        rank
-        for rank, proc in enumerate(procs)
-        if rank not in values and rank not in failures and not proc.is_alive() and proc.exitcode is not None
-    ]
-
-
-def _rank_error(
-    fn_name: str, procs: list[mp.Process], values: dict[int, Any], failures: dict[int, tuple[float, str]], timeout: float
-) -> RankError:
+def _rank_error(fn_name: str, outcome: Outcome, cause: Cause, timeout: float) -> RankError:
     """Build one error naming the root cause first: a dead rank, then a raising rank, then a stuck one."""
-    world_size = len(procs)
-    dead = _dead_unreported(procs, values, failures)
-    if dead:
-        rank = dead[0]
+    world_size, rank = outcome.world_size, cause.rank
+    root_traceback = None
+    if cause.kind == "died":
         message = (
-            f"{fn_name}: rank {rank} of {world_size} exited with code {procs[rank].exitcode} without "
+            f"{fn_name}: rank {rank} of {world_size} exited with code {outcome.exitcodes[rank]} without "
             "reporting a result (a negative code is the signal that killed it)"
         )
-        root_traceback = None
-    elif failures:
-        rank = min(failures, key=lambda r: failures[r][0])  # the first to fail is the cause
-        root_traceback = failures[rank][1]
+    elif cause.kind == "raised":
+        root_traceback = outcome.failures[rank]
         message = f"{fn_name} failed on rank {rank} of {world_size}:\n{root_traceback}"
     else:
-        missing = [r for r in range(world_size) if r not in values]
         return RankError(
-            f"{fn_name}: ranks {missing} did not finish within {timeout:g} s; all ranks were killed "
-            "(a collective that not every rank entered, or a deadlock?)"
+            f"{fn_name}: ranks {outcome.unfinished} did not finish within {timeout:g} s; all ranks were "
+            "killed (a collective that not every rank entered, or a deadlock?)"
         )
-    others = sorted(set(failures) - {rank})
+    others = sorted(set(outcome.failures) - {rank})
     if others:
         message += "\n\nOther ranks failed as a consequence:\n" + "\n".join(
-            f"rank {r}: {failures[r][1].splitlines()[0]}" for r in others
+            f"rank {r}: {outcome.failures[r].splitlines()[0]}" for r in others
         )
     return RankError(message, rank, root_traceback)
-
-
-def _kill_all(procs: list[mp.Process]) -> None:
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-    for proc in procs:
-        proc.join(timeout=5.0)

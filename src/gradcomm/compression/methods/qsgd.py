@@ -10,7 +10,9 @@ Trade-offs: unbiased, with variance at most ``min(d / s**2, sqrt(d) / s) * ||buc
 ``d = bucket_size``); error feedback is off by default (not needed for convergence) but may be switched on.
 Per-rank norms and randomness make payloads non-summable: they are all-gathered. Elias coding of the levels
 (the paper's further lossless compression) is replaced by fixed-width codes: simpler and GPU-friendly, with
-a payload size independent of the values. Each rank draws from its own generator (``seed + rank``).
+a payload size independent of the values. Random draws come from generators seeded by ``(seed, rank, parameter, draw count)``
+(:class:`~gradcomm.compression.base.RandomizedCompressor`): independent across ranks and parameters, and
+the same whatever order the tensors are compressed in.
 """
 
 from __future__ import annotations

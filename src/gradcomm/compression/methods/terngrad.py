@@ -10,7 +10,9 @@ Trade-offs: 2 bits per coordinate plus one scale per tensor (16x smaller than fl
 coordinate is ``|g_i| * (s - |g_i|) <= s**2 / 4``: large when one outlier sets ``s``, which clipping
 mitigates. The paper's scalar sharing (one ``s`` for all ranks, making ternaries summable) would cost an
 extra collective; here each rank keeps its scale and payloads are all-gathered. Error feedback is off by
-default. Each rank draws from its own generator (``seed + rank``).
+default. Random draws come from generators seeded by ``(seed, rank, parameter, draw count)``
+(:class:`~gradcomm.compression.base.RandomizedCompressor`): independent across ranks and parameters, and
+the same whatever order the tensors are compressed in.
 """
 
 from __future__ import annotations
