@@ -16,10 +16,10 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _common import mlp, timed_step
 from torch import nn
 
 import gradcomm
+from gradcomm.bench.timing import mlp, timed_step
 from gradcomm.testing import run_on_ranks
 
 

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import mlp, timed_step
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
 import gradcomm
+from gradcomm.bench.timing import mlp, timed_step
 from gradcomm.hooks import powerSGD_hook as ours
 
 VARIANTS: dict[str, tuple[str, int]] = {

@@ -1,4 +1,9 @@
-"""Pieces shared by the benchmark scripts (run as ``python benchmarks/<script>.py``)."""
+"""Side-by-side timing of DDPs and hooks: seeded models of a chosen shape and one timed training step.
+
+The benchmark scripts under ``benchmarks/`` (which measure gradcomm against torch and write
+``benchmarks/RESULTS.md``) build on this and on :mod:`gradcomm.bench.workloads`, so all benchmark code lives
+in :mod:`gradcomm.bench`, beside the ``gradcomm bench`` command.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ import time
 
 import torch
 from torch import nn
+
+__all__ = ["mlp", "timed_step"]
 
 
 def mlp(width: int, depth: int) -> nn.Module:
