@@ -200,7 +200,7 @@ def _craft_broken_folders(base: str, older: str, newer: str) -> dict[str, str]:
     old_format = os.path.join(base, "old_format")
     os.makedirs(old_format)
     for rank in range(3):
-        torch.save({"format": "gradcomm.ddp.checkpoint/1", "world_size": 3}, os.path.join(old_format, f"rank{rank}.pt"))
+        torch.save({"format": "gradcomm.checkpoint/1", "world_size": 3}, os.path.join(old_format, f"rank{rank}.pt"))
     return {"mixed": mixed, "missing": missing, "truncated": truncated, "no_manifest": no_manifest,
             "old_format": old_format}
 
@@ -240,7 +240,7 @@ def test_folders_without_one_complete_checkpoint_raise_on_every_rank_naming_rank
     assert "rank 1" not in errors["truncated"] and "rank 2" not in errors["truncated"]
     assert errors["no_manifest"].startswith("FileNotFoundError: load_checkpoint: no complete checkpoint in")
     assert errors["old_format"].startswith("CheckpointError: load_checkpoint: ")
-    assert "gradcomm.ddp.checkpoint/1" in errors["old_format"] and FORMAT in errors["old_format"]
+    assert "gradcomm.checkpoint/1" in errors["old_format"] and FORMAT in errors["old_format"]
 
 
 def _local_folders(base: str) -> dict[str, Any]:

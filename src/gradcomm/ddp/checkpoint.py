@@ -24,7 +24,7 @@ filesystem need only their own files (rank 0's folder holds the manifest). Every
 manifest names for it and the ranks compare, with one ``all_gather``, the checkpoint id and step each found:
 unless all of them found the checkpoint of the manifest, every rank raises the same
 :class:`CheckpointError` naming the ranks and what they found, and nothing is loaded on any rank. A folder
-in the earlier layout (``rank<r>.pt`` without a manifest, format ``gradcomm.ddp.checkpoint/1``) cannot be told
+in the earlier layout (``rank<r>.pt`` without a manifest, format ``gradcomm.checkpoint/1``) cannot be told
 complete from torn and is refused.
 
 Everything is stored as ``state_dict()`` output (tensors and plain values), so the files load with
@@ -58,9 +58,9 @@ from gradcomm.comm.faults import reporting_lost_peers
 
 __all__ = ["FORMAT", "MANIFEST", "CheckpointError", "load_checkpoint", "rank_file", "save_checkpoint"]
 
-FORMAT = "gradcomm.ddp.checkpoint/2"
+FORMAT = "gradcomm.checkpoint/2"
 MANIFEST = "manifest.json"
-_OLD_FORMAT = "gradcomm.ddp.checkpoint/1"
+_OLD_FORMAT = "gradcomm.checkpoint/1"
 _RESERVED = ("format", "world_size", "rank", "checkpoint_id", "model", "optimizer", "hook_state", "bucket_layout")
 _PLAIN_LEAVES = (torch.Tensor, str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
 _PARTIAL = ".partial"
