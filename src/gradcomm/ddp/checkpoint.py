@@ -44,49 +44,39 @@ state as an extra if the run depends on them.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import uuid
 from collections.abc import Callable, Mapping
-from typing import IO, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gradcomm.comm.faults import reporting_lost_peers
+from gradcomm.ddp.checkpoint_layout import (
+    FORMAT,
+    MANIFEST,
+    CheckpointError,
+    commit_manifest,
+    count_of_ranks,
+    described,
+    file_name,
+    rank_file,
+    read_manifest,
+    remove_superseded,
+    write_durably,
+)
 
 __all__ = ["FORMAT", "MANIFEST", "CheckpointError", "load_checkpoint", "rank_file", "save_checkpoint"]
 
-FORMAT = "gradcomm.checkpoint/2"
-MANIFEST = "manifest.json"
-_OLD_FORMAT = "gradcomm.checkpoint/1"
 _RESERVED = ("format", "world_size", "rank", "checkpoint_id", "model", "optimizer", "hook_state", "bucket_layout")
 _PLAIN_LEAVES = (torch.Tensor, str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
-_PARTIAL = ".partial"
-# rank<r>-<id>.pt of this format, rank<r>.pt of the old one, either possibly with .partial.
-_RANK_FILE = re.compile(r"rank(?P<rank>\d+)(?:-(?P<id>[0-9a-f]{32}))?\.pt(?P<partial>\.partial)?")
-
-
-class CheckpointError(ValueError):
-    """A folder holds no complete checkpoint for this run, or a rank cannot load its part of it.
-
-    :func:`load_checkpoint` raises it on every rank alike (same message), before loading anything.
-    """
 
 
 def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _file_name(rank: int, checkpoint_id: str) -> str:
-    return f"rank{rank}-{checkpoint_id}.pt"
-
-
-def _ranks(count: Any) -> str:
-    return f"{count} rank" if count == 1 else f"{count} ranks"
 
 
 def _rank_list(ranks: list[int]) -> str:
@@ -103,90 +93,6 @@ def _found(step: Any, checkpoint_id: Any) -> str:
 
 
 # -- the manifest ------------------------------------------------------------------------------------------
-
-
-def _read_manifest(path: str | os.PathLike[str], caller: str = "load_checkpoint") -> dict[str, Any]:
-    """The committed manifest of ``path``; raises FileNotFoundError or CheckpointError saying what is wrong."""
-    folder = os.fspath(path)
-    manifest_path = os.path.join(folder, MANIFEST)
-    try:
-        with open(manifest_path, encoding="utf-8") as file:
-            manifest = json.load(file)
-    except FileNotFoundError:
-        raise _no_manifest(folder, caller) from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(
-            f"{caller}: the manifest {manifest_path!r} cannot be read ({_described(exc)}); "
-            "without it no checkpoint in the folder counts as complete. Restore the folder from a backup or "
-            "resume from another checkpoint."
-        ) from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise CheckpointError(
-            f"{caller}: {manifest_path!r} is not a {FORMAT} manifest (format {found!r}); load it with the "
-            "gradcomm version that wrote it."
-        )
-    if not _well_formed(manifest):
-        raise CheckpointError(
-            f"{caller}: {manifest_path!r} is malformed (it needs an id, a world size and one file per "
-            "rank); it was edited or damaged. Restore the folder from a backup or resume from another checkpoint."
-        )
-    return manifest
-
-
-def _well_formed(manifest: dict[str, Any]) -> bool:
-    world_size, files = manifest.get("world_size"), manifest.get("files")
-    return (
-        isinstance(manifest.get("id"), str)
-        and isinstance(world_size, int)
-        and isinstance(files, list)
-        and len(files) == world_size
-        and all(isinstance(name, str) and os.path.basename(name) == name for name in files)
-    )
-
-
-def _no_manifest(folder: str, caller: str) -> Exception:
-    matches = [_RANK_FILE.fullmatch(name) for name in os.listdir(folder)] if os.path.isdir(folder) else []
-    rank_files = [match for match in matches if match is not None and not match["partial"]]
-    if any(match["id"] is None for match in rank_files):
-        return CheckpointError(
-            f"{caller}: {folder!r} holds rank<r>.pt files without {MANIFEST}: a checkpoint in the "
-            f"{_OLD_FORMAT} layout, which cannot tell a complete checkpoint from one torn by a crash during "
-            f"its save, so this version ({FORMAT}) does not load it. Resume with the gradcomm version that "
-            "wrote it and save again, or start a fresh run."
-        )
-    if rank_files:
-        return FileNotFoundError(
-            f"{caller}: no complete checkpoint in {folder!r}: it holds rank files but no {MANIFEST}, so "
-            f"the save that wrote them never committed (save_checkpoint writes {MANIFEST} on rank 0 last, once "
-            "every rank's file is written). Resume from another checkpoint, or start a fresh run."
-        )
-    return FileNotFoundError(
-        f"{caller}: no complete checkpoint in {folder!r}: it has no {MANIFEST} (save_checkpoint writes it "
-        "in rank 0's folder, once every rank's file is written). Check the path, or start a fresh run."
-    )
-
-
-def _commit_manifest(folder: str, manifest: dict[str, Any]) -> None:
-    _write_durably(os.path.join(folder, MANIFEST), lambda file: file.write(json.dumps(manifest, indent=1).encode()))
-
-
-def rank_file(path: str | os.PathLike[str], rank: int) -> str:
-    """The file of ``rank`` in the checkpoint committed in directory ``path``, as its manifest names it.
-
-    The manifest is in rank 0's folder: with ranks on machines without a shared filesystem, call it there.
-
-    Raises:
-        FileNotFoundError: ``path`` holds no committed checkpoint.
-        ValueError: the checkpoint has no rank ``rank``.
-    """
-    manifest = _read_manifest(path, "rank_file")
-    if not 0 <= rank < manifest["world_size"]:
-        raise ValueError(
-            f"rank_file: rank {rank} is not in the checkpoint in {os.fspath(path)!r}, written by "
-            f"{_ranks(manifest['world_size'])}"
-        )
-    return os.path.join(os.fspath(path), manifest["files"][rank])
 
 
 # -- saving ------------------------------------------------------------------------------------------------
@@ -238,46 +144,12 @@ def _payload(
     }
 
 
-def _fsync_folder(folder: str) -> None:
-    """Make a rename in ``folder`` durable; a no-op where directories cannot be opened (Windows)."""
-    try:
-        descriptor = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def _write_durably(target: str, write: Callable[[IO[bytes]], Any]) -> None:
-    """Write ``target`` so that after a crash it holds either nothing new or the whole new content."""
-    partial = target + _PARTIAL
-    try:
-        with open(partial, "wb") as file:
-            write(file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(partial, target)
-    except BaseException:
-        try:
-            os.remove(partial)
-        except OSError:
-            pass
-        raise
-    _fsync_folder(os.path.dirname(target) or ".")
-
-
-def _described(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
 def _try(action: Callable[[], Any]) -> str | None:
     """Run ``action``; the error it raised, as text for the other ranks, or None."""
     try:
         action()
     except Exception as exc:
-        return _described(exc)
+        return described(exc)
     return None
 
 
@@ -307,27 +179,6 @@ def _not_saved(folder: str, step: Any, what: str) -> OSError:
         f"save_checkpoint: {what}, so {checkpoint} was not saved; {folder!r} still holds the last complete "
         "checkpoint, if there was one. Fix the cause (disk space, permissions) and save again."
     )
-
-
-def _remove_superseded(folder: str, rank: int, world_size: int, checkpoint_id: str) -> None:
-    """Remove this rank's files of other ids and leftover .partial files, now that ``checkpoint_id`` is committed.
-
-    Rank 0 also removes the files of ranks beyond ``world_size``, left by a save at a larger world size, and
-    a leftover partial manifest.
-    """
-    for name in os.listdir(folder):
-        match = _RANK_FILE.fullmatch(name)
-        if match is None:
-            superseded = rank == 0 and name == MANIFEST + _PARTIAL
-        else:
-            owner = int(match["rank"])
-            mine = owner == rank or (rank == 0 and owner >= world_size)
-            superseded = mine and (match["id"] != checkpoint_id or match["partial"] is not None)
-        if superseded:
-            try:
-                os.remove(os.path.join(folder, name))
-            except FileNotFoundError:
-                pass
 
 
 def save_checkpoint(
@@ -362,7 +213,7 @@ def save_checkpoint(
     during = (manifest_step, f"saving checkpoint {folder!r}")
     checkpoint_id = _from_rank_0(uuid.uuid4().hex, world_size, during)
     payload.update(format=FORMAT, world_size=world_size, rank=rank, checkpoint_id=checkpoint_id)
-    target = os.path.join(folder, _file_name(rank, checkpoint_id))
+    target = os.path.join(folder, file_name(rank, checkpoint_id))
     errors = _from_every_rank(_try(lambda: _write_rank_file(folder, target, payload)), world_size, during)
     failed = [f"rank {r} could not write its file in {folder!r} ({e})" for r, e in enumerate(errors) if e]
     if failed:
@@ -372,18 +223,18 @@ def save_checkpoint(
         "id": checkpoint_id,
         "step": manifest_step,
         "world_size": world_size,
-        "files": [_file_name(r, checkpoint_id) for r in range(world_size)],
+        "files": [file_name(r, checkpoint_id) for r in range(world_size)],
     }
-    error = _from_rank_0(_try(lambda: _commit_manifest(folder, manifest)) if rank == 0 else None, world_size, during)
+    error = _from_rank_0(_try(lambda: commit_manifest(folder, manifest)) if rank == 0 else None, world_size, during)
     if error is not None:
         raise _not_saved(folder, step, f"rank 0 could not commit {os.path.join(folder, MANIFEST)!r} ({error})")
-    _remove_superseded(folder, rank, world_size, checkpoint_id)
+    remove_superseded(folder, rank, world_size, checkpoint_id)
     return target
 
 
 def _write_rank_file(folder: str, target: str, payload: dict[str, Any]) -> None:
     os.makedirs(folder, exist_ok=True)
-    _write_durably(target, lambda file: torch.save(payload, file))
+    write_durably(target, lambda file: torch.save(payload, file))
 
 
 # -- loading -----------------------------------------------------------------------------------------------
@@ -391,7 +242,7 @@ def _write_rank_file(folder: str, target: str, payload: dict[str, Any]) -> None:
 
 def _refuse(path: str, saved_world_size: Any, world_size: int) -> CheckpointError:
     return CheckpointError(
-        f"load_checkpoint: {path!r} was written by {_ranks(saved_world_size)}, but this run has "
+        f"load_checkpoint: {path!r} was written by {count_of_ranks(saved_world_size)}, but this run has "
         f"{world_size}; per-rank model, optimizer and hook state cannot be redistributed. Resume with "
         f"{saved_world_size} ranks, or start a fresh run."
     )
@@ -412,14 +263,14 @@ def _rank_0_manifest(folder: str, rank: int, world_size: int) -> tuple[dict[str,
     verdict = None
     if rank == 0:
         try:
-            manifest = _read_manifest(folder)
+            manifest = read_manifest(folder)
             if manifest["world_size"] != world_size:
                 raise _refuse(folder, manifest["world_size"], world_size)
             verdict = ("manifest", (manifest, folder))
         except (FileNotFoundError, CheckpointError) as exc:
             verdict = (type(exc).__name__, str(exc))
         except Exception as exc:
-            verdict = ("CheckpointError", f"load_checkpoint: rank 0 could not read {folder!r} ({_described(exc)})")
+            verdict = ("CheckpointError", f"load_checkpoint: rank 0 could not read {folder!r} ({described(exc)})")
     kind, content = _from_rank_0(verdict, world_size, (None, f"loading checkpoint {folder!r}"))
     if kind != "manifest":
         raise _AGREED_ERRORS[kind](content)
@@ -438,7 +289,7 @@ def _own_file(
     try:
         checkpoint = torch.load(target, map_location=map_location, weights_only=True)
     except Exception as exc:
-        report["problem"] = f"{target!r} could not be read ({_described(exc)}); is it truncated?"
+        report["problem"] = f"{target!r} could not be read ({described(exc)}); is it truncated?"
         return None, report
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
         report["problem"] = f"{target!r} is not a {FORMAT} file"
@@ -448,7 +299,7 @@ def _own_file(
     if report["id"] != manifest["id"]:
         problems.append(f"{target!r} holds {_found(report['step'], report['id'])}, not the checkpoint {MANIFEST} names")
     if (checkpoint.get("rank"), checkpoint.get("world_size")) != (rank, manifest["world_size"]):
-        saved_by = f"rank {checkpoint.get('rank')} of {_ranks(checkpoint.get('world_size'))}"
+        saved_by = f"rank {checkpoint.get('rank')} of {count_of_ranks(checkpoint.get('world_size'))}"
         problems.append(f"{target!r} was written by {saved_by}, not by rank {rank} of {manifest['world_size']}")
     problems += [
         f"{target!r} has no {part} saved, but one was given to load into"
