@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from gradcomm.comm import collective_device
 from gradcomm.comm.faults import ParameterDriftError
@@ -228,3 +229,17 @@ def check_same_parameters(
         "rank-dependent re-initialisation, a hook that does not average, a non-deterministic kernel). "
         f"Fix the cause and resume from the last checkpoint.{advice}"
     )
+
+
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: ProcessGroup, src_group_rank: int = 0) -> None:
+    """Overwrite ``tensors`` with rank ``src_group_rank``'s values, one broadcast per dtype and device."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    src = dist.get_global_rank(group, src_group_rank)
+    for same_kind in by_kind.values():
+        flat = torch._utils._flatten_dense_tensors([t.detach() for t in same_kind])
+        dist.broadcast(flat, src=src, group=group)
+        with torch.no_grad():
+            for tensor, synced in zip(same_kind, torch._utils._unflatten_dense_tensors(flat, same_kind), strict=True):
+                tensor.copy_(synced)

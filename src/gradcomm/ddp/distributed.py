@@ -28,17 +28,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.algorithms.join import Join, Joinable
 
 from gradcomm.comm import collective_device
 from gradcomm.comm.faults import reporting_lost_peers
-from gradcomm.ddp.agreement import check_same_parameters
+from gradcomm.ddp import join as uneven
+from gradcomm.ddp.agreement import broadcast_coalesced, check_same_parameters
 from gradcomm.ddp.reducer import Reducer
 from gradcomm.ddp.telemetry import CommStats
 from gradcomm.hooks.contract import CommHook
@@ -79,31 +80,8 @@ def _check_same_parameters(module: nn.Module, group: ProcessGroup) -> None:
             )
 
 
-def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: ProcessGroup, src_group_rank: int = 0) -> None:
-    """Overwrite ``tensors`` with rank ``src_group_rank``'s values, one broadcast per dtype and device."""
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    src = dist.get_global_rank(group, src_group_rank)
-    for same_kind in by_kind.values():
-        flat = torch._utils._flatten_dense_tensors([t.detach() for t in same_kind])
-        dist.broadcast(flat, src=src, group=group)
-        with torch.no_grad():
-            for tensor, synced in zip(same_kind, torch._utils._unflatten_dense_tensors(flat, same_kind), strict=True):
-                tensor.copy_(synced)
-
-
 CHECK_PARAMETERS_EVERY = 20
 """The default interval, in synchronised steps, of the replica check (see ``check_parameters_every``)."""
-
-
-@dataclass
-class _JoinState:
-    """``join()``'s settings and what every rank has learned from the flags (identical on all ranks)."""
-
-    divide_by_initial_world_size: bool
-    throw_on_early_termination: bool
-    last_active: list[int] = field(default_factory=list)  # group ranks active in the last step anyone was
 
 
 def _move_to(value: Any, device: torch.device) -> Any:
@@ -116,7 +94,7 @@ def _move_to(value: Any, device: torch.device) -> Any:
     return value
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism at the module level, with gradient communication done by a pluggable hook.
 
     A drop-in for ``torch.nn.parallel.DistributedDataParallel`` for a module on one device: the same
@@ -165,6 +143,7 @@ class DistributedDataParallel(nn.Module):
         check_parameters_every: int | None = CHECK_PARAMETERS_EVERY,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)
         group = _require_process_group(process_group, "gradcomm.DistributedDataParallel")
         if check_parameters_every is not None and check_parameters_every < 0:
             raise ValueError(
@@ -192,7 +171,7 @@ class DistributedDataParallel(nn.Module):
         self.check_finite = check_finite
         self.check_parameters_every = check_parameters_every or 0
         self._group = group
-        self._join: _JoinState | None = None
+        self._join: uneven.JoinState | None = None  # set while a Join context holds this DDP
         self._last_parameter_check = 0
         _check_same_parameters(module, group)
         if init_sync:
@@ -221,8 +200,8 @@ class DistributedDataParallel(nn.Module):
         self.reducer.check_usable()
         synchronise = torch.is_grad_enabled() and self.require_backward_grad_sync
         source = 0
-        if self._join is not None:
-            source = self._join_step(2 if synchronise else 1)
+        if self._join is not None and self._join_config.enable:
+            source = uneven.training_step(self, synchronise)
         if synchronise:
             self.reducer.prepare_for_forward(source)
             self._maybe_check_parameters(joined=False)
@@ -244,7 +223,7 @@ class DistributedDataParallel(nn.Module):
                 with reporting_lost_peers(self.synchronised_steps, "broadcasting buffers", self._group):
                     broadcast_coalesced(buffers, self._group, source)
 
-    # -- uneven inputs ---------------------------------------------------------------------------------------
+    # -- uneven inputs: torch's Joinable interface (see gradcomm.ddp.join) ---------------------------------
     @contextmanager
     def join(
         self,
@@ -256,18 +235,18 @@ class DistributedDataParallel(nn.Module):
 
         ::
 
-            with ddp.join():
+            with ddp.join():  # or: with torch.distributed.algorithms.join.Join([ddp]):
                 for batch in my_batches:  # any number of batches per rank
                     loss_fn(ddp(batch)).backward()
                     optimizer.step()
 
-        Inside, every forward starts with one small allreduce of "still has data" flags (one int per rank).
-        A rank that has left the loop waits at the end of the ``with`` block and, for each step the others
-        still take, does its part of their collectives: the buffer broadcast, the one-time bucket rebuild,
-        and a *shadow backward* that runs the communication hook on zero buckets in bucket order (so any
-        hook's collectives match). When every rank has finished, parameters and buffers are broadcast from
-        a rank that trained longest, so all replicas leave identical. A joined rank's optimizer state is
-        not updated in the steps it missed.
+        torch's ``Join`` context drives it (:mod:`gradcomm.ddp.join`): every forward inside costs two small
+        allreduces (torch's "not joined yet" notification and one flag per rank); a rank that has left the
+        loop waits at the end of the ``with`` block and does its part of each step the others still take
+        (buffer broadcast, bucket rebuild, and the communication hook on zero buckets, in bucket order, so
+        any hook's collectives match). When every rank has finished, parameters and buffers are broadcast
+        from a rank that trained longest, so all replicas leave identical. A joined rank's optimizer state
+        is not updated in the steps it missed.
 
         Averaging follows torch: joined ranks contribute zeros. With ``divide_by_initial_world_size=True``
         (the default) the sum is divided by the initial world size, so a step with ``k`` active ranks
@@ -278,72 +257,40 @@ class DistributedDataParallel(nn.Module):
         Args:
             divide_by_initial_world_size: see above.
             enable: ``False`` makes this a no-op (no flags, no shadowing).
-            throw_on_early_termination: raise on every rank as soon as any rank runs out of inputs, instead
-                of shadowing.
+            throw_on_early_termination: raise on every rank, naming the ranks that ran out and the step, as
+                soon as any rank runs out of inputs, instead of shadowing.
 
         Every forward inside must be followed by its backward (on the ranks still training), as in torch;
         a rank that raises inside leaves the others to fail at the process group's timeout.
         """
-        if not enable:
-            yield
-            return
-        if self._join is not None:
-            raise RuntimeError("gradcomm.DistributedDataParallel.join() cannot be nested")
-        self._join = _JoinState(divide_by_initial_world_size, throw_on_early_termination)
         try:
-            yield
-            self._shadow_until_all_joined()
+            with Join(
+                [self],
+                enable=enable,
+                divide_by_initial_world_size=divide_by_initial_world_size,
+                stop_on_uneven_inputs=throw_on_early_termination,
+            ):
+                yield
         finally:
-            self._join = None
-            self.reducer.set_active_ranks(None)
+            uneven.leave(self)
 
-    def _exchange_join_flags(self, mode: int) -> list[int]:
-        """One allreduce of per-rank flags: 0 joined, 1 a forward without sync, 2 a synchronised forward."""
-        assert self._join is not None
-        world = dist.get_world_size(self._group)
-        flags = torch.zeros(world, dtype=torch.int32, device=collective_device(self._group))
-        flags[dist.get_rank(self._group)] = mode
-        with reporting_lost_peers(self.synchronised_steps, "exchanging join() flags", self._group):
-            dist.all_reduce(flags, group=self._group)
-        values = flags.tolist()
-        active = [rank for rank, value in enumerate(values) if value]
-        if active:
-            self._join.last_active = active
-            if self._join.throw_on_early_termination and len(active) < world:
-                finished = [dist.get_global_rank(self._group, r) for r, v in enumerate(values) if not v]
-                raise RuntimeError(
-                    f"gradcomm.DistributedDataParallel.join(throw_on_early_termination=True): rank(s) "
-                    f"{finished} ran out of inputs at step {self.synchronised_steps}; raised on every rank"
-                )
-        return values
+    def join_hook(self, **kwargs: Any) -> uneven.DDPJoinHook:
+        """torch's ``Joinable`` interface: the hook a ``Join`` context runs on this rank once it has joined.
 
-    def _join_step(self, mode: int) -> int:
-        """A training rank's flag exchange; returns the group rank whose buffers and layout are authoritative."""
-        assert self._join is not None
-        active = [rank for rank, value in enumerate(self._exchange_join_flags(mode)) if value]
-        if mode == 2 and not self._join.divide_by_initial_world_size:
-            self.reducer.set_active_ranks(len(active))
-        return active[0]
+        Keyword arguments (given to ``Join(...)``): ``divide_by_initial_world_size`` (default ``True``) and
+        ``stop_on_uneven_inputs`` (default ``False``); see :meth:`join`.
+        """
+        return uneven.DDPJoinHook(self, **kwargs)
 
-    def _shadow_until_all_joined(self) -> None:
-        """A rank out of inputs: match the others' collectives until every rank is, then sync the model."""
-        assert self._join is not None
-        while True:
-            values = self._exchange_join_flags(0)
-            active = [rank for rank, value in enumerate(values) if value]
-            if not active:
-                break
-            synchronising = 2 in values
-            if synchronising:
-                self.reducer.prepare_for_forward(active[0])
-                self._maybe_check_parameters(joined=True)
-            self._broadcast_buffers(active[0])
-            if synchronising:
-                self.reducer.shadow_backward()
-        if self._join.last_active:
-            tensors = [p for p in self.module.parameters()] + list(self.module.buffers())
-            with reporting_lost_peers(self.synchronised_steps, "synchronising the model after join()", self._group):
-                broadcast_coalesced(tensors, self._group, self._join.last_active[0])
+    @property
+    def join_device(self) -> torch.device:
+        """torch's ``Joinable`` interface: the device of the join context's collectives."""
+        return collective_device(self._group)
+
+    @property
+    def join_process_group(self) -> ProcessGroup:
+        """torch's ``Joinable`` interface: the process group of the join context's collectives."""
+        return self._group
 
     # -- drift check -----------------------------------------------------------------------------------------
     def _maybe_check_parameters(self, joined: bool) -> None:

@@ -58,7 +58,7 @@ class LegacyDistributedDataParallel(nn.Module):
         self.buffer_size = min(buffer_size, sum(p.numel() for p in module.parameters()))
         self.accumulate_grads = False
         self._reductions = 0
-        self._runner = HookRunner("LegacyDistributedDataParallel", process_group)
+        self._runner = HookRunner("gradcomm.LegacyDistributedDataParallel", process_group)
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     @contextmanager

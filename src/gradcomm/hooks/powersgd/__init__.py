@@ -8,3 +8,8 @@ from gradcomm.hooks.powersgd.hook import batched_powerSGD_hook, powerSGD_hook
 from gradcomm.hooks.powersgd.state import PowerSGDState
 
 __all__ = ["PowerSGDState", "batched_powerSGD_hook", "powerSGD_hook"]
+
+# Named by their public, torch-compatible module: in error messages, the ranks' hook fingerprints, and pickles
+# (``torch.save(state)``), which then load whatever the internal layout.
+for _public in (PowerSGDState, batched_powerSGD_hook, powerSGD_hook):
+    _public.__module__ = "gradcomm.hooks.powerSGD_hook"
