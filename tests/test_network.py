@@ -32,20 +32,27 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradcomm.testing import network, run_on_ranks
+from gradcomm.testing import run_on_ranks
 from gradcomm.testing.network import (
     RANK_IFNAME,
     NetworkSetupError,
     ShapedNetwork,
     check_network_privileges,
+    commands,
     enter_namespace,
     parse_duration,
     parse_rate,
+    privileges,
     remove_stale_networks,
 )
 
-NETWORK_PY = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "gradcomm", "network.py"
+NETWORK_INIT_PY = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "src",
+    "gradcomm",
+    "testing",
+    "network",
+    "__init__.py",
 )
 ALLREDUCE_BYTES = 2_000_000
 
@@ -141,16 +148,16 @@ def test_enter_missing_namespace_is_a_clear_error() -> None:
 
 
 def test_missing_privileges_and_tools_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(network, "_privileges_ok", False)
+    monkeypatch.setattr(privileges, "_privileges_ok", False)
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    monkeypatch.setattr(network, "_effective_capabilities", lambda: 1 << 12)  # CAP_NET_ADMIN only
+    monkeypatch.setattr(privileges, "_effective_capabilities", lambda: 1 << 12)  # CAP_NET_ADMIN only
     with pytest.raises(
         NetworkSetupError, match=r"^not root and missing CAP_NET_ADMIN/CAP_SYS_ADMIN: .*run as root"
     ):
         check_network_privileges()
-    monkeypatch.setattr(network, "_effective_capabilities", lambda: (1 << 12) | (1 << 21))
-    monkeypatch.setattr(network, "_tools", {})
-    monkeypatch.setattr(network, "_SBIN_PATH", "/nonexistent")
+    monkeypatch.setattr(privileges, "_effective_capabilities", lambda: (1 << 12) | (1 << 21))
+    monkeypatch.setattr(commands, "_tools", {})
+    monkeypatch.setattr(commands, "_SBIN_PATH", "/nonexistent")
     with pytest.raises(
         NetworkSetupError, match=r"^'ip' not found on PATH or in /usr/sbin, /sbin: install iproute2"
     ):
@@ -284,9 +291,12 @@ def test_namespaces_are_removed_on_exit_and_on_error(privileged: None) -> None:
 # A child process that builds a network without importing torch (gradcomm/__init__ does; 3 s a process).
 _CHILD = textwrap.dedent(
     """
-    import importlib.util, sys, time
-    spec = importlib.util.spec_from_file_location("gradcomm_network", sys.argv[1])
+    import importlib.util, os, sys, time
+    spec = importlib.util.spec_from_file_location(
+        "gradcomm_network", sys.argv[1], submodule_search_locations=[os.path.dirname(sys.argv[1])]
+    )
     network = importlib.util.module_from_spec(spec)
+    sys.modules["gradcomm_network"] = network
     spec.loader.exec_module(network)
     net = network.ShapedNetwork(2, network.parse_rate("10mbit"), 0.002, delay_method="relay").__enter__()
     print(net.prefix, net._relay.pid, flush=True)
@@ -297,7 +307,10 @@ _CHILD = textwrap.dedent(
 
 def _start_child() -> tuple[subprocess.Popen[str], str, int]:
     child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, NETWORK_PY], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", _CHILD, NETWORK_INIT_PY],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert child.stdout is not None
     line = child.stdout.readline().split()
