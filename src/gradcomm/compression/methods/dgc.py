@@ -1,0 +1,159 @@
+"""Deep Gradient Compression: top-k sparsification with momentum correction and momentum factor masking.
+
+Lin, Han, Mao, Wang & Dally, "Deep Gradient Compression: Reducing the Communication Bandwidth for Distributed
+Training", ICLR 2018, https://arxiv.org/abs/1712.01887 (Algorithm 1 with momentum correction, section 3.1).
+
+Per tensor, each rank keeps a momentum buffer ``u`` and an accumulation buffer ``v``, zero at first. With ``g``
+this step's local gradient, ``m`` the momentum and ``k = ceil(ratio * numel)`` (at least one)::
+
+    u = m * u + g              momentum correction: momentum is accumulated locally, before sparsification
+    v = v + u                  local accumulation of everything not sent yet
+    send v at the k largest |v|   values and indices; the ranks' messages are averaged
+    u[sent] = v[sent] = 0      momentum factor masking: a sent coordinate restarts from zero
+
+Top-k of the accumulated gradient alone (:class:`~gradcomm.compression.methods.topk.TopK` with error
+feedback) delays most coordinates by many steps, and an optimizer's momentum applied after the exchange then
+works on a sparse, stale signal; DGC accumulates the velocity instead, so what is sent (summed over steps) is
+what momentum SGD would have applied, and masking keeps the stale momentum of a just-sent coordinate from
+pushing it again. With ``momentum=0`` it is exactly top-k with error feedback.
+
+Trade-offs and use:
+
+* The momentum lives here, so train with an optimizer **without** momentum (``torch.optim.SGD(...,
+  momentum=0)``); keeping both applies momentum twice. Tensors the hook sends dense (fewer than its
+  ``min_numel`` elements, or compressed fewer than ``min_compression_rate`` times) bypass this class and get
+  no momentum; ``min_numel=1, min_compression_rate=0`` routes every tensor through it.
+* ``v`` is DGC's error feedback: the declared policy is :attr:`ErrorFeedback.UNSUPPORTED`, so the hook adds
+  no residual of its own by default and refuses ``error_feedback=True`` (a second residual would add back
+  what ``v`` still holds, counting every unsent value twice).
+* Memory: two gradient-sized buffers per compressed tensor, in the gradient's dtype (top-k with error
+  feedback keeps one). State is keyed by the hook's per-parameter key (the ``stream(key)`` scope, as for
+  :class:`~gradcomm.compression.base.RandomizedCompressor`), so it follows its parameter when DDP rebuilds
+  its buckets, and :meth:`DGC.state_dict` checkpoints it (``torch.load(weights_only=True)``-safe) for an exact
+  resume. Called outside any ``stream`` scope, all tensors share the key ``None``: one tensor per instance.
+* Selection is an exact ``torch.topk`` of ``|v|``: a full selection per tensor, deterministic, and identical
+  to :class:`TopK`'s; DGC's sampled threshold estimate (cheaper on very large tensors, k only approximate) is
+  not used, because payload sizes here must depend on the shape alone. DGC's local gradient clipping, its
+  exponential sparsity warm-up and the Nesterov variant are left out.
+* Wire format and traffic are top-k's: k values in the gradient's dtype plus k int32 indices (int64 beyond
+  2**31 elements), all-gathered (coordinates differ between ranks) and averaged in rank order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Hashable, Iterator
+from typing import Any
+
+import torch
+
+from gradcomm.compression.base import _STREAM_KEY, Compressor, ErrorFeedback, Payload, TensorSpec
+from gradcomm.compression.communicators import ALLGATHER
+
+__all__ = ["DGC"]
+
+_BUFFERS = ("momentum", "accumulation")
+
+
+class DGC(Compressor, name="dgc", summary="Deep Gradient Compression: momentum-corrected top-k"):
+    """Send the ``ceil(ratio * numel)`` (at least one) largest coordinates of each tensor's accumulated
+    momentum-corrected gradient; see the module docstring.
+
+    Args:
+        ratio: fraction of each tensor's coordinates sent per step, in (0, 1]; DGC's final density is 0.001.
+        momentum: the momentum factor ``m``, in [0, 1); 0 is top-k with error feedback.
+    """
+
+    communicator = ALLGATHER
+    error_feedback = ErrorFeedback.UNSUPPORTED
+
+    def __init__(self, ratio: float = 0.001, momentum: float = 0.9):
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 < ratio <= 1:
+            raise ValueError(f"DGC: ratio must be a number in (0, 1], got {ratio!r}")
+        if isinstance(momentum, bool) or not isinstance(momentum, int | float) or not 0 <= momentum < 1:
+            raise ValueError(f"DGC: momentum must be a number in [0, 1), got {momentum!r}")
+        self.ratio = ratio
+        self.momentum = momentum
+        self._momentum: dict[Hashable, torch.Tensor] = {}
+        self._accumulation: dict[Hashable, torch.Tensor] = {}
+
+    def k(self, numel: int) -> int:
+        """Number of coordinates sent of a tensor of ``numel`` elements."""
+        return min(numel, max(1, math.ceil(self.ratio * numel)))
+
+    @contextlib.contextmanager
+    def stream(self, key: Hashable) -> Iterator[None]:
+        """Scope in which :meth:`compress` reads and updates the buffers of the tensor ``key``: the context
+        variable :class:`~gradcomm.compression.base.RandomizedCompressor` sets, so each thread sees its own."""
+        token = _STREAM_KEY.set(key)
+        try:
+            yield
+        finally:
+            _STREAM_KEY.reset(token)
+
+    def compress(self, tensor: torch.Tensor) -> tuple[Payload, TensorSpec]:
+        flat = tensor.reshape(-1)
+        k = self.k(flat.numel())
+        index_dtype = torch.int32 if flat.numel() <= torch.iinfo(torch.int32).max else torch.int64
+        if tensor.device.type == "meta":  # the hook's size probe: shapes only, no state created or touched
+            return [flat[:k], torch.empty(k, dtype=index_dtype, device="meta")], TensorSpec.of(tensor)
+        key = _STREAM_KEY.get()
+        u, v = self._buffers(key, tensor)
+        # New tensors every step, never changed once stored: an earlier state_dict() keeps its values.
+        u = flat.clone() if self.momentum == 0 else u.reshape(-1) * self.momentum + flat
+        v = v.reshape(-1) + u
+        _, indices = v.abs().topk(k, sorted=False)
+        values = v[indices]
+        u.index_fill_(0, indices, 0)
+        v.index_fill_(0, indices, 0)
+        self._momentum[key] = u.view(tensor.shape)
+        self._accumulation[key] = v.view(tensor.shape)
+        return [values, indices.to(index_dtype)], TensorSpec.of(tensor)
+
+    def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
+        values, indices = payload
+        dense = torch.zeros(ctx.numel, dtype=ctx.dtype, device=values.device)
+        return dense.scatter_(0, indices.long(), values).view(ctx.shape)
+
+    def aggregate(self, gathered: Payload, ctx: TensorSpec) -> torch.Tensor:
+        values, indices = gathered
+        world_size = values.shape[0]
+        total = torch.zeros(ctx.numel, dtype=ctx.dtype, device=values.device)
+        for rank in range(world_size):  # indices are distinct within a rank: deterministic even with atomics
+            total.index_add_(0, indices[rank].long(), values[rank] / world_size)
+        return total.view(ctx.shape)
+
+    def _buffers(self, key: Hashable, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``key``'s momentum and accumulation (zeros at first), on ``tensor``'s device and in its dtype."""
+        u, v = self._momentum.get(key), self._accumulation.get(key)
+        if u is None or v is None:
+            zeros = torch.zeros_like(tensor, memory_format=torch.contiguous_format)
+            return zeros, zeros
+        for buffer in (u, v):
+            if buffer.shape != tensor.shape:
+                raise ValueError(
+                    f"DGC: the buffers kept for {key!r} have shape {tuple(buffer.shape)}, but the tensor now "
+                    f"under that key has shape {tuple(tensor.shape)} (a checkpoint of another model?)"
+                )
+        return u.to(tensor.device, tensor.dtype), v.to(tensor.device, tensor.dtype)
+
+    # -- checkpointing -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """``{"momentum": {key: u}, "accumulation": {key: v}}``: tensors keyed by the hook's tensor keys."""
+        return {"momentum": dict(self._momentum), "accumulation": dict(self._accumulation)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state) != set(_BUFFERS):
+            raise ValueError(f"DGC: state must have the entries {list(_BUFFERS)}, got {sorted(state)}")
+        momentum, accumulation = dict(state["momentum"]), dict(state["accumulation"])
+        if set(momentum) != set(accumulation):
+            raise ValueError(
+                f"DGC: state has momentum for keys {sorted(map(repr, momentum))} but accumulation for "
+                f"{sorted(map(repr, accumulation))}"
+            )
+        for key in momentum:
+            u, v = momentum[key], accumulation[key]
+            if not isinstance(u, torch.Tensor) or not isinstance(v, torch.Tensor) or u.shape != v.shape:
+                raise ValueError(f"DGC: the state of {key!r} must be two tensors of one shape")
+        self._momentum, self._accumulation = momentum, accumulation
