@@ -17,38 +17,35 @@ from gradcomm.compression import (
     QSGD,
     ByteGrad,
     Compressor,
-    EFSignSGD,
     ErrorFeedback,
     NoCompression,
-    OneBit,
+    RandomizedCompressor,
     RandomK,
     ResidualMemory,
-    SignSGD,
     TernGrad,
     TopK,
 )
 from gradcomm.compression._numerics import pack_bits, unpack_bits
 from gradcomm.compression.communicators import compensated_compress
+from gradcomm.compression.registry import methods
 
 HUGE = float(np.float32(1e30))
 FAST = settings(max_examples=25, deadline=None)
 SLOW = settings(max_examples=6, deadline=None)
 
-COMPRESSORS = {
-    "topk": TopK,
-    "randomk": RandomK,
+# Every registered method with its default options (a new method is covered without an edit here), plus
+# variants of some methods' options and the unregistered dense NoCompression.
+VARIANTS = {
     "randomk_biased": partial(RandomK, unbiased=False),
-    "efsign": EFSignSGD,
-    "signsgd": SignSGD,
-    "qsgd": QSGD,
     "qsgd_8bit": partial(QSGD, levels=127, bucket_size=64),
-    "terngrad": TernGrad,
     "terngrad_unclipped": partial(TernGrad, clip=None),
-    "bytegrad": ByteGrad,
-    "onebit": OneBit,
     "none": NoCompression,
 }
+COMPRESSORS = {**methods(), **VARIANTS}
 NAMES = sorted(COMPRESSORS)
+RANDOMIZED = [name for name, cls in methods().items() if issubclass(cls, RandomizedCompressor)]
+# Methods whose round trip does not keep an all-zero tensor zero, and why.
+ZERO_NOT_KEPT = {"signsgd": "signs of zeros are sent as +1"}
 
 shapes = hnp.array_shapes(min_dims=1, max_dims=3, min_side=1, max_side=12)
 
@@ -96,7 +93,7 @@ def test_finite_input_never_becomes_nan_or_inf(name, kind, shape, value, sign_se
     assert all(torch.isfinite(part).all() for part in payload if part.is_floating_point())
     y = compressor.decompress(payload, ctx)
     assert torch.isfinite(y).all(), f"{name} turned {kind} input into {y}"
-    if kind == "zero" and name != "signsgd":  # signs of zeros are sent as +1
+    if kind == "zero" and name not in ZERO_NOT_KEPT:
         assert not y.any()
 
 
@@ -237,7 +234,7 @@ def test_bit_packing_round_trip(bits, length, seed):
     assert torch.equal(unpack_bits(packed, bits, length), codes)
 
 
-@pytest.mark.parametrize("name", ["qsgd", "terngrad", "randomk"])
+@pytest.mark.parametrize("name", RANDOMIZED)
 def test_randomized_compressor_state_survives_checkpoint_and_pickle(name):
     x = torch.randn(300, generator=torch.Generator().manual_seed(1))
     original = COMPRESSORS[name]()
@@ -253,7 +250,7 @@ def test_randomized_compressor_state_survives_checkpoint_and_pickle(name):
     assert torch.equal(round_trip(unpickled, x), expected)
 
 
-@pytest.mark.parametrize("name", ["qsgd", "terngrad", "randomk"])
+@pytest.mark.parametrize("name", RANDOMIZED)
 def test_random_draws_depend_on_the_key_not_on_call_order(name):
     """DDP reorders buckets after its first step: a tensor's randomness must not depend on that order."""
     tensors = {key: torch.randn(200, generator=torch.Generator().manual_seed(key)) for key in range(3)}

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import DDPCommHookType
 
+from gradcomm.compression.registry import methods
 from gradcomm.hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from gradcomm.hooks.registry import (
     CommHookType,
@@ -43,6 +44,14 @@ TORCH_NAMES = {
 }
 
 # case -> (name, options, wrapper); option values as strings where a command line would give strings.
+# Every registered compression method has a case of its own, COMPRESSION_CASES' or the generic one below.
+COMPRESSION_METHODS = methods()
+COMPRESSION_CASES = {
+    "topk": ("topk", {"ratio": "0.05", "min_numel": 16}, None),
+    "randomk": ("randomk", {"ratio": 0.05, "min_numel": 16}, None),
+    "qsgd": ("QSGD", {"levels": 3, "min_numel": 16}, None),
+    "onebit": ("one-bit", {"min_numel": 16, "error_feedback": "true"}, None),
+}
 TRAIN_CASES = {
     "allreduce": ("allreduce", {}, None),
     "fp16_compress": ("fp16_compress", {}, None),
@@ -56,14 +65,7 @@ TRAIN_CASES = {
     "noop": ("noop", {}, None),
     "allgather": ("allgather", {}, None),
     "post_localsgd": ("post_localsgd", {"start_localSGD_iter": "1"}, None),
-    "topk": ("topk", {"ratio": "0.05", "min_numel": 16}, None),
-    "randomk": ("randomk", {"ratio": 0.05, "min_numel": 16}, None),
-    "efsign": ("efsign", {"min_numel": 16}, None),
-    "signsgd": ("signsgd", {"min_numel": 16}, None),
-    "qsgd": ("QSGD", {"levels": 3, "min_numel": 16}, None),
-    "terngrad": ("terngrad", {"min_numel": 16}, None),
-    "bytegrad": ("bytegrad", {"min_numel": 16}, None),
-    "onebit": ("one-bit", {"min_numel": 16, "error_feedback": "true"}, None),
+    **{name: COMPRESSION_CASES.get(name, (name, {"min_numel": 16}, None)) for name in COMPRESSION_METHODS},
     "powersgd+fp16": ("powersgd", {"start_powerSGD_iter": 2}, "fp16"),
     "allreduce+bf16": ("allreduce", {}, "bf16"),
 }
@@ -149,8 +151,7 @@ def test_every_hook_registers_by_name_and_trains(kind, world_size, case):
         assert same, f"{case}: ranks disagree after {STEPS} steps"
     name = TRAIN_CASES[case][0]
     expected_state = {"powersgd": "PowerSGDState", "post_localsgd": "PostLocalSGDState"}
-    compression = ("topk", "randomk", "efsign", "signsgd", "qsgd", "terngrad", "bytegrad", "onebit")
-    expected_state.update(dict.fromkeys(compression, "CompressionState"))
+    expected_state.update(dict.fromkeys(COMPRESSION_METHODS, "CompressionState"))
     kind_of_state = resolve_hook_name(name).value.name.removeprefix("batched_").removesuffix("_rank2")
     assert by_rank[0]["state_type"] == expected_state.get(kind_of_state, "NoneType")
     if case in ("allreduce", "post_localsgd"):  # exact averaging: like DDP without a hook

@@ -8,12 +8,13 @@ GRACE: Xu et al., "GRACE: A Compressed Communication Framework for Distributed M
 * A :class:`~gradcomm.compression.communicators.Communicator`, named by the compressor, moves payloads
   between ranks through :mod:`gradcomm.comm`.
 
-:func:`gradcomm.hooks.compression_hook.compression_hook` combines them into a DDP communication hook::
+:func:`gradcomm.hooks.compression_hook.compressed_allreduce_hook`, with its
+:class:`~gradcomm.hooks.compression_hook.CompressionState`, combines them into a DDP communication hook::
 
     from gradcomm.compression import TopK
-    from gradcomm.hooks.compression_hook import compression_hook
+    from gradcomm.hooks.compression_hook import CompressionState, compressed_allreduce_hook
 
-    ddp.register_comm_hook(*compression_hook(TopK(ratio=0.01)))
+    ddp.register_comm_hook(CompressionState(TopK(ratio=0.01)), compressed_allreduce_hook)
 
 Adding a method is one new module in :mod:`gradcomm.compression.methods` with one ``Compressor``
 subclass declared with ``name=`` and ``summary=``: ``compress``/``decompress``, a ``communicator``

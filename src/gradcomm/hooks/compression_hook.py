@@ -3,10 +3,9 @@
 Register it in one line on torch's DistributedDataParallel or gradcomm's (overlapping or legacy)::
 
     from gradcomm.compression import TopK
-    from gradcomm.hooks.compression_hook import compression_hook
+    from gradcomm.hooks.compression_hook import CompressionState, compressed_allreduce_hook
 
-    state, hook = compression_hook(TopK(ratio=0.01))
-    ddp.register_comm_hook(state, hook)
+    ddp.register_comm_hook(CompressionState(TopK(ratio=0.01)), compressed_allreduce_hook)
 
 Per bucket, every parameter's gradient is handled on its own: large ones are compressed (with the
 compressor's error feedback, keyed by parameter), small ones (biases, norms: fewer than ``min_numel``
@@ -22,7 +21,7 @@ resumes exactly.
 
 # No ``from __future__ import annotations``: torch's DDP compares the hook's annotations with real types.
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -38,7 +37,7 @@ from gradcomm.compression.memory import Memory, NoMemory, ResidualMemory
 from gradcomm.compression.methods.identity import NoCompression
 from gradcomm.hooks.hook_state import HookState
 
-__all__ = ["CompressionState", "compressed_allreduce_hook", "compression_hook"]
+__all__ = ["CompressionState", "compressed_allreduce_hook"]
 
 _DENSE = NoCompression()
 _NO_MEMORY = NoMemory()
@@ -171,16 +170,3 @@ def compressed_allreduce_hook(
         state._launcher.wait_until_launched()
     return result
 
-
-def compression_hook(
-    compressor: Compressor,
-    error_feedback: bool | None = None,
-    process_group: ProcessGroup | None = None,
-    min_compression_rate: float = 2.0,
-    min_numel: int = 1024,
-) -> tuple[
-    CompressionState, Callable[[CompressionState, dist.GradBucket], torch.futures.Future[torch.Tensor]]
-]:
-    """The state and hook to pass to ``register_comm_hook`` (arguments as :class:`CompressionState`)."""
-    state = CompressionState(compressor, error_feedback, process_group, min_compression_rate, min_numel)
-    return state, compressed_allreduce_hook

@@ -62,5 +62,6 @@ class QSGD(RandomizedCompressor, name="qsgd", summary="QSGD stochastic quantizat
     def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
         packed, norms = payload
         codes = unpack_bits(packed, self._bits, norms.numel() * self.bucket_size).view(-1, self.bucket_size)
-        values = (codes.to(norms.dtype) - self.levels) * (norms / self.levels).unsqueeze(1)
+        # the fraction (at most 1 in magnitude) first: norm / levels * levels can round past the dtype's maximum
+        values = ((codes.to(norms.dtype) - self.levels) / self.levels) * norms.unsqueeze(1)
         return values.reshape(-1)[: ctx.numel].to(ctx.dtype).view(ctx.shape)
