@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 
 __all__ = [
+    "index_dtype",
     "ordered_mean",
     "pack_bits",
     "pack_signs",
@@ -21,6 +22,8 @@ __all__ = [
     "safe_norm",
     "safe_rms",
     "safe_std",
+    "sparse_mean",
+    "sparse_to_dense",
     "unpack_bits",
     "unpack_signs",
     "work_dtype",
@@ -114,3 +117,24 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
 def unpack_signs(packed: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`pack_signs` as ``+1``/``-1`` of ``dtype``."""
     return unpack_bits(packed, 1, length).to(dtype) * 2 - 1
+
+
+# -- sparse payloads: values at indices (top-k, DGC) ------------------------------------------------------------
+def index_dtype(numel: int) -> torch.dtype:
+    """The narrowest index dtype for a tensor of ``numel`` elements: int32, or int64 above 2**31 - 1."""
+    return torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
+
+
+def sparse_to_dense(values: torch.Tensor, indices: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat tensor of ``numel`` zeros holding ``values`` at ``indices``."""
+    dense = torch.zeros(numel, dtype=dtype, device=values.device)
+    return dense.scatter_(0, indices.long(), values)
+
+
+def sparse_mean(values: torch.Tensor, indices: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """The mean over ranks of sparse payloads gathered with a leading rank axis, summed in rank order."""
+    world_size = values.shape[0]
+    total = torch.zeros(numel, dtype=dtype, device=values.device)
+    for rank in range(world_size):  # indices are distinct within a rank: deterministic even with atomics
+        total.index_add_(0, indices[rank].long(), values[rank] / world_size)
+    return total

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from gradcomm.compression._numerics import index_dtype, sparse_mean, sparse_to_dense
 from gradcomm.compression.base import _STREAM_KEY, Compressor, ErrorFeedback, Payload, TensorSpec
 from gradcomm.compression.communicators import ALLGATHER
 
@@ -95,9 +96,9 @@ class DGC(Compressor, name="dgc", summary="Deep Gradient Compression: momentum-c
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, TensorSpec]:
         flat = tensor.reshape(-1)
         k = self.k(flat.numel())
-        index_dtype = torch.int32 if flat.numel() <= torch.iinfo(torch.int32).max else torch.int64
+        indices_dtype = index_dtype(flat.numel())
         if tensor.device.type == "meta":  # the hook's size probe: shapes only, no state created or touched
-            return [flat[:k], torch.empty(k, dtype=index_dtype, device="meta")], TensorSpec.of(tensor)
+            return [flat[:k], torch.empty(k, dtype=indices_dtype, device="meta")], TensorSpec.of(tensor)
         key = _STREAM_KEY.get()
         u, v = self._buffers(key, tensor)
         # New tensors every step, never changed once stored: an earlier state_dict() keeps its values.
@@ -109,20 +110,15 @@ class DGC(Compressor, name="dgc", summary="Deep Gradient Compression: momentum-c
         v.index_fill_(0, indices, 0)
         self._momentum[key] = u.view(tensor.shape)
         self._accumulation[key] = v.view(tensor.shape)
-        return [values, indices.to(index_dtype)], TensorSpec.of(tensor)
+        return [values, indices.to(indices_dtype)], TensorSpec.of(tensor)
 
     def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
         values, indices = payload
-        dense = torch.zeros(ctx.numel, dtype=ctx.dtype, device=values.device)
-        return dense.scatter_(0, indices.long(), values).view(ctx.shape)
+        return sparse_to_dense(values, indices, ctx.numel, ctx.dtype).view(ctx.shape)
 
     def aggregate(self, gathered: Payload, ctx: TensorSpec) -> torch.Tensor:
         values, indices = gathered
-        world_size = values.shape[0]
-        total = torch.zeros(ctx.numel, dtype=ctx.dtype, device=values.device)
-        for rank in range(world_size):  # indices are distinct within a rank: deterministic even with atomics
-            total.index_add_(0, indices[rank].long(), values[rank] / world_size)
-        return total.view(ctx.shape)
+        return sparse_mean(values, indices, ctx.numel, ctx.dtype).view(ctx.shape)
 
     def _buffers(self, key: Hashable, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``key``'s momentum and accumulation (zeros at first), on ``tensor``'s device and in its dtype."""

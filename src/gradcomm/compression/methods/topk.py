@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from gradcomm.compression._numerics import index_dtype, sparse_mean, sparse_to_dense
 from gradcomm.compression.base import Compressor, ErrorFeedback, Payload, TensorSpec
 from gradcomm.compression.communicators import ALLGATHER
 
@@ -42,18 +43,13 @@ class TopK(Compressor, name="topk", summary="top-k sparsification, error feedbac
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, TensorSpec]:
         flat = tensor.reshape(-1)
         _, indices = flat.abs().topk(self.k(flat.numel()), sorted=False)
-        index_dtype = torch.int32 if flat.numel() <= torch.iinfo(torch.int32).max else torch.int64
-        return [flat[indices], indices.to(index_dtype)], TensorSpec.of(tensor)
+        indices_dtype = index_dtype(flat.numel())
+        return [flat[indices], indices.to(indices_dtype)], TensorSpec.of(tensor)
 
     def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
         values, indices = payload
-        dense = torch.zeros(ctx.numel, dtype=ctx.dtype, device=values.device)
-        return dense.scatter_(0, indices.long(), values).view(ctx.shape)
+        return sparse_to_dense(values, indices, ctx.numel, ctx.dtype).view(ctx.shape)
 
     def aggregate(self, gathered: Payload, ctx: TensorSpec) -> torch.Tensor:
         values, indices = gathered
-        world_size = values.shape[0]
-        total = torch.zeros(ctx.numel, dtype=ctx.dtype, device=values.device)
-        for rank in range(world_size):  # indices are distinct within a rank: deterministic even with atomics
-            total.index_add_(0, indices[rank].long(), values[rank] / world_size)
-        return total.view(ctx.shape)
+        return sparse_mean(values, indices, ctx.numel, ctx.dtype).view(ctx.shape)
