@@ -308,3 +308,23 @@ def test_every_name_imports_its_hook(name):
     if class_name is not None:  # the declared options are the state constructor's keywords
         parameters = inspect.signature(getattr(module, class_name)).parameters
         assert set(spec.option_names) | {"process_group"} <= set(parameters)
+
+
+def test_compression_registry_refuses_a_taken_name_and_a_missing_summary() -> None:
+    """Refused while the class is created, so the registry is left as it was."""
+    from gradcomm.compression import Compressor
+    from gradcomm.compression.registry import methods
+
+    before = methods()
+    with pytest.raises(ValueError, match=r"compression method name 'topk' of .*Impostor is already taken by "
+                       r"gradcomm.compression.methods.topk.TopK; choose another name="):
+
+        class Impostor(Compressor, name="topk", summary="another top-k"):
+            pass
+
+    with pytest.raises(ValueError, match=r"compression method 'unsummarised' \(.*Unsummarised\) needs a summary="):
+
+        class Unsummarised(Compressor, name="unsummarised"):
+            pass
+
+    assert methods() == before

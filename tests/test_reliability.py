@@ -269,6 +269,13 @@ def _uneven_inputs() -> dict[str, Any]:
                 _train_step(ddp, step)
 
     out["throw_on_early_termination"] = error_text(early)
+
+    def second_joinable() -> None:  # gradcomm's DDP must notify the Join context first
+        first = gradcomm.DistributedDataParallel(_mlp())
+        with Join([first, ddp]):
+            _train_step(ddp, 0)
+
+    out["not_first_joinable"] = error_text(second_joinable)
     return out
 
 
@@ -493,6 +500,10 @@ def test_join_divisor_and_early_termination(ranks: list[dict[str, Any]]) -> None
             r"join\(throw_on_early_termination=True\): rank\(s\) \[0\] ran out of inputs at step 1",
             rank["uneven"]["throw_on_early_termination"],
         ), rank["uneven"]["throw_on_early_termination"]
+        # refused on every rank before any collective of the step, so no rank is left waiting
+        assert rank["uneven"]["not_first_joinable"].startswith(
+            "RuntimeError: gradcomm.DistributedDataParallel must be the first joinable of its Join context"
+        ), rank["uneven"]["not_first_joinable"]
 
 
 # -- drift ----------------------------------------------------------------------------------------------
