@@ -24,6 +24,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -55,24 +56,18 @@ class CaseResult:
     detail: str = ""
 
 
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Failure)\b")
+
+
 def _rank_exception_line(text: str) -> str:
-    """The line naming the exception in a rank's traceback as torch's harness reports it, else the first line."""
-    lines = [line for line in text.splitlines() if line.strip()]
-    marker = "exited with error code"
-    for i, line in enumerate(lines):
-        if marker in line:
-            tail = lines[i + 1 :]
-            # The rank's traceback ends with "ExceptionType: message"; the message may span lines.
-            for j in range(len(tail) - 1, -1, -1):
-                if not tail[j].startswith((" ", "Traceback", "During handling", "The above exception")) and (
-                    j == 0 or tail[j - 1].startswith("    ")
-                ):
-                    return tail[j].strip()
-            break
-    for line in reversed(lines):
-        if not line.startswith(" "):
-            return line.strip()
-    return text.strip()[:200]
+    """The line naming the exception in the first failing rank's traceback, as torch's harness forwards it
+    (``Process i exited with error code 10 and exception: ...``), else the last exception line of ``text``."""
+    block = text.split("exited with error code", 1)[-1].split("exited with error code", 1)[0]
+    for candidate in (block, text):
+        lines = [line.rstrip() for line in candidate.splitlines() if _EXCEPTION_LINE.match(line)]
+        if lines:
+            return lines[-1]
+    return text.strip().splitlines()[-1] if text.strip() else "no message"
 
 
 def _prepare(ddp: str, case_timeout: int) -> type:
@@ -80,6 +75,7 @@ def _prepare(ddp: str, case_timeout: int) -> type:
     if ddp not in DDP_KINDS:
         raise ValueError(f"--ddp must be one of {DDP_KINDS}; got {ddp!r}")
     os.environ["BACKEND"] = "gloo"
+    os.environ["PYTORCH_PRINT_REPRO_ON_FAILURE"] = "0"
     os.environ["WORLD_SIZE"] = "2"
     os.environ["DISTRIBUTED_TESTS_DEFAULT_TIMEOUT"] = str(case_timeout)
     os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="torch_suite_"))
