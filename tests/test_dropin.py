@@ -228,3 +228,53 @@ def test_torch_internals_frameworks_use() -> None:
     assert out["finalized"] == "no error"
     assert out["active_module"] is None  # restored after every forward
     assert out["will_sync"] is False  # the MLP has no buffers
+
+
+# -- 3: gradcomm's errors are what torch raises, and more specific ------------------------------------------------
+def test_error_classes_subclass_what_torch_raises() -> None:
+    from gradcomm.ddp.distributed import ParameterMismatchError
+    from gradcomm.hooks.contract import CommHookResultError, CommHookTypeError
+
+    assert issubclass(gradcomm.CommHookError, RuntimeError)
+    assert issubclass(CommHookTypeError, gradcomm.CommHookError) and issubclass(CommHookTypeError, TypeError)
+    assert issubclass(CommHookResultError, gradcomm.CommHookError) and issubclass(CommHookResultError, ValueError)
+    assert issubclass(ParameterMismatchError, RuntimeError) and issubclass(ParameterMismatchError, ValueError)
+    assert issubclass(gradcomm.PeerLostError, dist.DistBackendError)
+    assert issubclass(gradcomm.ParameterDriftError, RuntimeError)
+    assert issubclass(UnsupportedTorchMethodError, RuntimeError)
+
+
+def _hook_error_checks() -> dict[str, str]:
+    torch.set_num_threads(1)
+
+    def returns_tensor_hook(state, bucket):  # type: ignore[no-untyped-def]
+        return bucket.buffer()
+
+    def wrong_shape_hook(state, bucket):  # type: ignore[no-untyped-def]
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future.set_result(torch.zeros(3))
+        return future
+
+    out = {}
+    for hook in (returns_tensor_hook, wrong_shape_hook):
+        ddp = gradcomm.DistributedDataParallel(_mlp(), check_parameters_every=0)
+        ddp.register_comm_hook(None, hook)
+        try:
+            ddp(_batch(0)).sum().backward()
+            out[hook.__name__] = "no error"
+        except RuntimeError as exc:  # what code written for torch's DDP catches
+            out[hook.__name__] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_hook_contract_errors_are_runtime_errors_with_gradcomm_messages() -> None:
+    out = run_on_ranks(_hook_error_checks, world_size=2, timeout=90)[0]
+    assert out["returns_tensor_hook"].startswith(
+        "CommHookTypeError: Communication hook _hook_error_checks.<locals>.returns_tensor_hook returned Tensor on "
+        "bucket 0; it must return a torch.futures.Future"
+    )
+    assert out["wrong_shape_hook"].startswith(
+        "CommHookResultError: Communication hook _hook_error_checks.<locals>.wrong_shape_hook: the future for "
+        "bucket 0 holds a tensor of shape (3,) and dtype torch.float32; expected shape (74,)"
+    )

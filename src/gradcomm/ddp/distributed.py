@@ -54,7 +54,7 @@ from gradcomm.ddp.torch_compat import (
 )
 from gradcomm.hooks.contract import CommHook
 
-__all__ = ["CHECK_PARAMETERS_EVERY", "DistributedDataParallel"]
+__all__ = ["CHECK_PARAMETERS_EVERY", "DistributedDataParallel", "ParameterMismatchError"]
 
 
 def _require_process_group(process_group: ProcessGroup | None, who: str) -> ProcessGroup:
@@ -66,6 +66,10 @@ def _require_process_group(process_group: ProcessGroup | None, who: str) -> Proc
     return process_group if process_group is not None else dist.group.WORLD
 
 
+class ParameterMismatchError(ValueError, RuntimeError):
+    """The ranks' models differ in their parameters (a ``RuntimeError`` as torch's, and a ``ValueError``)."""
+
+
 def _check_same_parameters(module: nn.Module, group: ProcessGroup) -> None:
     """Raise on every rank if the ranks' parameters differ in number, name, shape or dtype."""
     local = [(name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters()]
@@ -75,14 +79,14 @@ def _check_same_parameters(module: nn.Module, group: ProcessGroup) -> None:
     for rank, described in enumerate(everyone[1:], start=1):
         for position, (mine, theirs) in enumerate(zip(reference, described, strict=False)):
             if mine != theirs:
-                raise ValueError(
+                raise ParameterMismatchError(
                     "gradcomm.DistributedDataParallel: ranks disagree on the model's parameters. "
                     f"Parameter #{position} is {mine[0]} {mine[1]} {mine[2]} on rank 0 but {theirs[0]} "
                     f"{theirs[1]} {theirs[2]} on rank {rank}. Build the same model on every rank."
                 )
         if len(described) != len(reference):
             longer = described if len(described) > len(reference) else reference
-            raise ValueError(
+            raise ParameterMismatchError(
                 "gradcomm.DistributedDataParallel: ranks disagree on the model's parameters: rank 0 has "
                 f"{len(reference)} parameters, rank {rank} has {len(described)} (the first parameter only one "
                 f"of them has is {longer[min(len(reference), len(described))][0]}). Build the same model on "
