@@ -278,3 +278,108 @@ def test_hook_contract_errors_are_runtime_errors_with_gradcomm_messages() -> Non
         "CommHookResultError: Communication hook _hook_error_checks.<locals>.wrong_shape_hook: the future for "
         "bucket 0 holds a tensor of shape (3,) and dtype torch.float32; expected shape (74,)"
     )
+
+
+# -- 4: pickling, as torch's DDP -------------------------------------------------------------------------------
+def _pickle_checks() -> dict[str, Any]:
+    import io
+    import pickle
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    torch.set_num_threads(1)
+    ours = gradcomm.DistributedDataParallel(_mlp())
+    ours.register_comm_hook(None, default_hooks.allreduce_hook)
+    theirs = TorchDDP(_mlp())
+    _train(ours, 1), _train(theirs, 1)
+    ours, theirs = pickle.loads(pickle.dumps(ours)), pickle.loads(pickle.dumps(theirs))
+    out: dict[str, Any] = {"hook_after": ours.reducer.hook_name, "isinstance": isinstance(ours, TorchDDP)}
+    _train(ours, 3), _train(theirs, 3)
+    out["same"] = _same(ours.module, theirs.module)
+    buffer = io.BytesIO()
+    torch.save(ours, buffer)
+    out["saved"] = buffer.getvalue()
+    group = dist.new_group([0, 1])
+    on_group = gradcomm.DistributedDataParallel(_mlp(), process_group=group)
+    out["other_group"] = error_text(lambda: pickle.dumps(on_group))
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_pickling_drops_the_group_and_rebuilds_like_torch() -> None:
+    import io
+
+    out = run_on_ranks(_pickle_checks, world_size=2, timeout=120)[0]
+    assert out["hook_after"] == "default allreduce (no hook registered)"  # torch drops the hook too
+    assert out["isinstance"] and out["same"]
+    assert out["other_group"].startswith(
+        "RuntimeError: gradcomm.DistributedDataParallel: pickling is only supported for a DDP on the default "
+        "process group"
+    )
+    assert not dist.is_initialized()
+    loaded = torch.load(io.BytesIO(out["saved"]), weights_only=False)
+    assert isinstance(loaded, gradcomm.DistributedDataParallel)
+    assert loaded.module(torch.zeros(1, 6)).shape == (1, 2)  # usable for inspection
+    with pytest.raises(RuntimeError, match=r"unpickled while no default process group was initialized, .* Call "
+                       r"torch.distributed.init_process_group\(...\) before loading it"):
+        loaded(torch.zeros(1, 6))
+
+
+# -- 5: sparse gradients, against torch's DDP --------------------------------------------------------------------
+class SparseModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.embedding = nn.Embedding(30, 4, sparse=True)
+        self.bag = nn.EmbeddingBag(30, 4, mode="sum", sparse=True)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([self.embedding(tokens).mean(1), self.bag(tokens)], dim=1))
+
+
+def _sparse_checks() -> dict[str, Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for hooked in (False, True):
+        trained = []
+        for kind in (gradcomm.DistributedDataParallel, TorchDDP):
+            ddp = kind(SparseModel())
+            if hooked:
+                ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+            optimizer = torch.optim.SGD(ddp.parameters(), lr=0.5)
+            grads = []
+            for step in range(3):
+                generator = torch.Generator().manual_seed(10 * step + dist.get_rank())
+                tokens = torch.randint(0, 30, (4, 5), generator=generator)
+                optimizer.zero_grad()
+                ddp(tokens).pow(2).sum().backward()
+                grads.append([p.grad.to_dense() for p in ddp.parameters()])
+                optimizer.step()
+            trained.append((ddp, grads))
+        (ours, our_grads), (theirs, their_grads) = trained
+        out[f"hooked={hooked}"] = (
+            _same(ours.module, theirs.module),
+            all(torch.equal(a, b) for s, t in zip(our_grads, their_grads, strict=True) for a, b in zip(s, t, strict=True)),
+            ours.reducer.bucket_parameter_names(),
+        )
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_sparse_gradients_match_torch() -> None:
+    out = run_on_ranks(_sparse_checks, world_size=2, timeout=120)[1]
+    for hooked in (False, True):
+        same_parameters, same_gradients, buckets = out[f"hooked={hooked}"]
+        assert same_parameters and same_gradients, hooked
+        assert ["embedding.weight"] in buckets and ["bag.weight"] in buckets  # each sparse parameter alone
+
+
+def test_parameters_to_ignore_are_refused() -> None:
+    module = nn.Linear(2, 2)
+    TorchDDP._set_params_and_buffers_to_ignore_for_model(module, ["bias"])
+    with pytest.raises(UnsupportedArgumentError, match=r"does not support parameters and buffers to ignore .* set "
+                       r"requires_grad=False on parameters that must not be reduced"):
+        gradcomm.DistributedDataParallel(module)
