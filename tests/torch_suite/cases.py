@@ -51,12 +51,6 @@ EXCLUDED: dict[str, str] = {
 
 # Measured with benchmarks/torch_suite_report.py (each passes with torch's DDP): case -> what fails.
 GRADCOMM_FAILURES: dict[str, str] = {
-    "test_DistributedDataParallelCPU": (
-        "torch.save(model_DDP): TypeError: cannot pickle 'torch._C._distributed_c10d.ProcessGroup' object"
-    ),
-    "test_DistributedDataParallelCPU_grad_is_view": (
-        "torch.save(model_DDP): TypeError: cannot pickle 'torch._C._distributed_c10d.ProcessGroup' object"
-    ),
     "test_ddp_create_graph": (
         "backward(create_graph=True): RuntimeError: mul(): functions with out=... arguments don't support "
         "automatic differentiation (reducer.py _mark_ready)"
@@ -69,6 +63,8 @@ GRADCOMM_FAILURES: dict[str, str] = {
 # The cases CI runs (tests/torch_suite/test_torch_suite.py): every selected, not excluded case that passes
 # with gradcomm's DDP on CPU/gloo, 2 ranks.
 CI_PASSING: tuple[str, ...] = (
+    "test_DistributedDataParallelCPU",
+    "test_DistributedDataParallelCPU_grad_is_view",
     "test_DistributedDataParallel_requires_grad",
     "test_accumulate_gradients_no_sync",
     "test_accumulate_gradients_no_sync_grad_is_view",
