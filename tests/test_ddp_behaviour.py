@@ -307,19 +307,19 @@ MESSAGES = {
     "twice": r"RuntimeError: register_comm_hook can only be called once: hook first_hook is already registered, "
     r"so second_hook cannot be",
     "after_backward": r"RuntimeError: register_comm_hook\(first_hook\) must be called before the first backward",
-    "returns_tensor": r"TypeError: Communication hook returns_tensor_hook returned Tensor on bucket 0; it must "
+    "returns_tensor": r"CommHookTypeError: Communication hook returns_tensor_hook returned Tensor on bucket 0; it must "
     r"return a torch.futures.Future",
-    "wrong_shape": r"ValueError: Communication hook wrong_shape_hook: the future for bucket 0 holds a tensor of "
+    "wrong_shape": r"CommHookResultError: Communication hook wrong_shape_hook: the future for bucket 0 holds a tensor of "
     r"shape \(3,\) and dtype torch.float32; expected shape \(\d+,\) and dtype torch.float32",
-    "wrong_dtype": r"ValueError: Communication hook wrong_dtype_hook: .* dtype torch.float64; expected .* dtype "
+    "wrong_dtype": r"CommHookResultError: Communication hook wrong_dtype_hook: .* dtype torch.float64; expected .* dtype "
     r"torch.float32",
-    "not_a_tensor": r"TypeError: Communication hook not_a_tensor_hook: the future for bucket 0 holds str; "
+    "not_a_tensor": r"CommHookTypeError: Communication hook not_a_tensor_hook: the future for bucket 0 holds str; "
     r"expected a tensor",
     "raises": r"CommHookError: Communication hook raising_hook raised on bucket 0 \(\d+ elements\): KeyError: "
     r"'missing compression table'",
     "unused_next_forward": r"RuntimeError: .*the previous backward produced no gradient for 2 parameter\(s\) .*: "
     r"unused.weight, unused.bias\. .*find_unused_parameters=True",
-    "shape_mismatch": r"ValueError: .*ranks disagree .* Parameter #0 is weight \(4, 8\) torch.float32 on rank 0 but "
+    "shape_mismatch": r"ParameterMismatchError: .*ranks disagree .* Parameter #0 is weight \(4, 8\) torch.float32 on rank 0 but "
     r"weight \(5, 8\) torch.float32 on rank 1",
     "legacy_twice": r"RuntimeError: register_comm_hook can only be called once: hook recording_hook",
 }

@@ -29,8 +29,14 @@ __all__ = [
 ]
 
 
-class PeerLostError(RuntimeError):
+_DistBackendError: type[RuntimeError] = getattr(dist, "DistBackendError", RuntimeError)
+
+
+class PeerLostError(_DistBackendError):  # type: ignore[misc, valid-type]
     """A collective failed on this rank because a peer died, stalled past the timeout or failed first.
+
+    A ``torch.distributed.DistBackendError`` (so a ``DistError`` and a ``RuntimeError``), what torch raises
+    when a backend's collective fails, so code written for torch's DDP catches it.
 
     Attributes:
         rank: this rank (global).

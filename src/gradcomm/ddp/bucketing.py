@@ -21,6 +21,7 @@ __all__ = [
     "Bucket",
     "assign_buckets",
     "bucket_size_limits",
+    "bucket_size_list",
     "same_tensor",
 ]
 
@@ -44,6 +45,15 @@ def bucket_size_limits(bucket_cap_mb: float | None) -> tuple[int, int]:
     return cap, cap
 
 
+def bucket_size_list(bucket_cap_mb_list: Sequence[float] | None) -> list[int] | None:
+    """torch's ``bucket_cap_mb_list`` in bytes (``None`` or empty: not given)."""
+    if not bucket_cap_mb_list:
+        return None
+    if any(cap <= 0 for cap in bucket_cap_mb_list):
+        raise ValueError(f"bucket_cap_mb_list must hold positive sizes in MB, got {list(bucket_cap_mb_list)}")
+    return [max(1, int(cap * _MB)) for cap in bucket_cap_mb_list]
+
+
 @dataclass
 class _OpenBucket:
     indices: list[int] = field(default_factory=list)
@@ -63,6 +73,8 @@ def assign_buckets(
     *,
     size: Callable[[torch.Tensor], int] = _nbytes,
     strict: bool = False,
+    limits: Sequence[int] | None = None,
+    alone: Sequence[bool] | None = None,
 ) -> list[list[int]]:
     """Group ``tensors`` (visited in ``order``) into buckets; return each bucket's tensor indices.
 
@@ -71,7 +83,17 @@ def assign_buckets(
     legacy DDP, whose buffers have a fixed size) it is closed *before* a tensor that would take it past the
     limit instead. A tensor larger than ``limit`` gets a bucket of its own. Buckets are returned in the order
     of their first tensor in ``order``, so they become ready one after another.
+
+    ``limits`` (torch's ``bucket_cap_mb_list``) replaces the two limits by one per bucket of a kind: the
+    ``k``-th uses ``limits[k]``, the last applies to the rest. ``alone`` marks tensors that get a bucket of
+    their own whatever their size (sparse gradients).
     """
+
+    def cap(closed_count: int) -> int:
+        if limits:
+            return limits[min(closed_count, len(limits) - 1)]
+        return first_limit if closed_count == 0 else limit
+
     position = {index: pos for pos, index in enumerate(order)}
     open_buckets: dict[tuple[torch.dtype, torch.device], _OpenBucket] = {}
     closed: list[list[int]] = []
@@ -82,15 +104,19 @@ def assign_buckets(
         bucket.closed_count += 1
 
     for index in order:
+        if alone is not None and alone[index]:
+            closed.append([index])
+            continue
         tensor = tensors[index]
         bucket = open_buckets.setdefault((tensor.dtype, tensor.device), _OpenBucket())
         nbytes = size(tensor)
-        current_limit = first_limit if bucket.closed_count == 0 else limit
-        if bucket.indices and (nbytes > limit or strict and bucket.nbytes + nbytes > current_limit):
+        current_limit = cap(bucket.closed_count)
+        oversized = nbytes > (max(limits) if limits else limit)
+        if bucket.indices and (oversized or strict and bucket.nbytes + nbytes > current_limit):
             close(bucket)
         bucket.indices.append(index)
         bucket.nbytes += nbytes
-        if bucket.nbytes >= (first_limit if bucket.closed_count == 0 else limit):
+        if bucket.nbytes >= cap(bucket.closed_count):
             close(bucket)
     closed.extend(bucket.indices for bucket in open_buckets.values() if bucket.indices)
     closed.sort(key=lambda indices: position[indices[0]])
@@ -99,6 +125,8 @@ def assign_buckets(
 
 class Bucket:
     """A flat gradient buffer for some parameters, with one view per parameter."""
+
+    sparse = False
 
     def __init__(self, index: int, param_indices: list[int], params: Sequence[torch.nn.Parameter], is_last: bool):
         members = [params[i] for i in param_indices]

@@ -26,13 +26,15 @@ or infinity leaves the rank), and :meth:`join` for ranks with different numbers 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _get_device_index
 from torch.distributed import ProcessGroup
 from torch.distributed.algorithms.join import Join, Joinable
 
@@ -40,11 +42,19 @@ from gradcomm.comm import collective_device
 from gradcomm.comm.faults import reporting_lost_peers
 from gradcomm.ddp import join as uneven
 from gradcomm.ddp.agreement import broadcast_coalesced, check_same_parameters
+from gradcomm.ddp.bucketing import bucket_size_limits, bucket_size_list
 from gradcomm.ddp.reducer import Reducer
+from gradcomm.ddp.sparse import expects_sparse_gradient
 from gradcomm.ddp.telemetry import CommStats
+from gradcomm.ddp.torch_compat import (
+    TorchDDPSurface,
+    UnsupportedArgumentError,
+    refuse_unsupported_arguments,
+    resolve_buffer_sync,
+)
 from gradcomm.hooks.contract import CommHook
 
-__all__ = ["CHECK_PARAMETERS_EVERY", "DistributedDataParallel"]
+__all__ = ["CHECK_PARAMETERS_EVERY", "DistributedDataParallel", "ParameterMismatchError"]
 
 
 def _require_process_group(process_group: ProcessGroup | None, who: str) -> ProcessGroup:
@@ -56,6 +66,10 @@ def _require_process_group(process_group: ProcessGroup | None, who: str) -> Proc
     return process_group if process_group is not None else dist.group.WORLD
 
 
+class ParameterMismatchError(ValueError, RuntimeError):
+    """The ranks' models differ in their parameters (a ``RuntimeError`` as torch's, and a ``ValueError``)."""
+
+
 def _check_same_parameters(module: nn.Module, group: ProcessGroup) -> None:
     """Raise on every rank if the ranks' parameters differ in number, name, shape or dtype."""
     local = [(name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters()]
@@ -65,19 +79,31 @@ def _check_same_parameters(module: nn.Module, group: ProcessGroup) -> None:
     for rank, described in enumerate(everyone[1:], start=1):
         for position, (mine, theirs) in enumerate(zip(reference, described, strict=False)):
             if mine != theirs:
-                raise ValueError(
+                raise ParameterMismatchError(
                     "gradcomm.DistributedDataParallel: ranks disagree on the model's parameters. "
                     f"Parameter #{position} is {mine[0]} {mine[1]} {mine[2]} on rank 0 but {theirs[0]} "
                     f"{theirs[1]} {theirs[2]} on rank {rank}. Build the same model on every rank."
                 )
         if len(described) != len(reference):
             longer = described if len(described) > len(reference) else reference
-            raise ValueError(
+            raise ParameterMismatchError(
                 "gradcomm.DistributedDataParallel: ranks disagree on the model's parameters: rank 0 has "
                 f"{len(reference)} parameters, rank {rank} has {len(described)} (the first parameter only one "
                 f"of them has is {longer[min(len(reference), len(described))][0]}). Build the same model on "
                 "every rank."
             )
+
+
+class _NoProcessGroup:
+    """The reducer of a DDP unpickled without a process group: every use says what to do."""
+
+    def __getattr__(self, name: str) -> NoReturn:
+        raise RuntimeError(
+            "gradcomm.DistributedDataParallel was unpickled while no default process group was initialized, so "
+            "it has no reducer and cannot train or synchronise. Call torch.distributed.init_process_group(...) "
+            "before loading it (the reducer is then rebuilt on the default group, without a hook, as torch "
+            "does), or use its .module for inspection."
+        )
 
 
 CHECK_PARAMETERS_EVERY = 20
@@ -94,23 +120,41 @@ def _move_to(value: Any, device: torch.device) -> Any:
     return value
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(TorchDDPSurface):
     """Data parallelism at the module level, with gradient communication done by a pluggable hook.
 
-    A drop-in for ``torch.nn.parallel.DistributedDataParallel`` for a module on one device: the same
-    constructor arguments that matter for communication, ``no_sync()``, ``register_comm_hook(state, hook)``
-    and checkpoints with the ``module.`` prefix, so torch DDP checkpoints load here and the reverse.
+    A drop-in for ``torch.nn.parallel.DistributedDataParallel`` (torch 2.13), and an instance of it:
+    ``isinstance(ddp, torch.nn.parallel.DistributedDataParallel)`` holds, so Lightning, Accelerate and
+    torch's own utilities treat it as torch's DDP, but no C++ reducer is built (torch's ``__init__`` never
+    runs); :mod:`gradcomm.ddp.torch_compat` lists the torch internals it honours and refuses. The constructor
+    takes torch's arguments in torch's order; those it does not implement raise
+    :class:`~gradcomm.ddp.torch_compat.UnsupportedArgumentError` when given a non-default value.
 
     Args:
         module: the model, already on its device; the same architecture on every rank.
+        device_ids: ``None`` or one device; inputs are moved to it.
+        output_device: accepted and recorded, as torch (outputs stay where the module puts them).
+        dim: accepted and recorded; torch only uses it to scatter inputs over several ``device_ids``, which
+            neither torch 2.13 nor gradcomm supports, so it has no effect (any value is harmless).
+        broadcast_buffers: deprecated in torch 2.13 for ``forward_sync_buffers`` (a ``FutureWarning``, as in
+            torch); ``False`` also leaves buffers out of the initial broadcast.
+        init_sync: check that the ranks' parameters agree and broadcast parameters (and buffers) from rank 0.
         process_group: the group to average over; ``None`` for the default group.
         bucket_cap_mb: bucket size limit in MB; ``None`` means 25 MB with a 1 MB first bucket (torch's
             defaults), an explicit value applies to every bucket.
         find_unused_parameters: traverse the autograd graph from the forward output each iteration and treat
             parameters it does not reach as ready (costs a graph traversal and a small allreduce).
+        check_reduction: deprecated no-op, as in torch (a ``FutureWarning`` when true).
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket, saving one gradient-sized copy.
-        broadcast_buffers: broadcast buffers from rank 0 at every forward.
-        device_ids: ``None`` or one device; inputs are moved to it.
+        static_graph: the same parameters are used in every iteration. The first iteration finds those without
+            a gradient at the end of backward (no ``find_unused_parameters`` needed); later ones mark them
+            ready at once, without a graph search or the used-map allreduce, and leave the ``.grad`` of
+            parameters no rank uses untouched. Buckets are rebuilt after the first iteration.
+        bucket_cap_mb_list: torch's per-bucket limits in MB: bucket ``k`` (of a dtype and device) uses entry
+            ``k``, the last entry applies to the rest; overrides ``bucket_cap_mb``.
+        forward_sync_buffers: broadcast buffers from rank 0 at every forward (``None``: true).
+        delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, device_mesh,
+        skip_all_reduce_unused_params, batched_grad_copy: not supported; accepted at their defaults only.
         check_finite: before a bucket is communicated, check that it holds no NaN or infinity, and raise
             :class:`~gradcomm.comm.faults.NonFiniteGradientError` naming the first such parameter and the
             rank otherwise (the values never leave the rank). Costs one pass over the gradients per step
@@ -125,25 +169,55 @@ class DistributedDataParallel(nn.Module, Joinable):
             :func:`~gradcomm.hooks.contract.replicas_may_differ`): the model averagers check right after
             each averaging instead. 0 or ``None``: never.
 
+    Parameters of ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True`` are reduced as sparse tensors, as
+    in torch (:mod:`gradcomm.ddp.sparse`). Pickling (``torch.save(ddp)``) works as in torch: the process group,
+    reducer and hook are dropped and rebuilt on the default group when unpickled.
+
     The timeout of every collective is the process group's (``init_process_group(timeout=...)``).
     """
 
     def __init__(
         self,
         module: nn.Module,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         process_group: ProcessGroup | None = None,
         bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
+        check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
-        broadcast_buffers: bool = True,
-        device_ids: Sequence[int | torch.device] | None = None,
-        output_device: int | torch.device | None = None,
-        init_sync: bool = True,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
+        param_to_hook_all_reduce: nn.Parameter | None = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Sequence[float] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+        *,
         check_finite: bool = False,
         check_parameters_every: int | None = CHECK_PARAMETERS_EVERY,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         Joinable.__init__(self)
+        refuse_unsupported_arguments(
+            delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce,
+            mixed_precision=mixed_precision,
+            device_mesh=device_mesh,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            batched_grad_copy=batched_grad_copy,
+        )
+        if getattr(module, "_ddp_params_and_buffers_to_ignore", None):
+            raise UnsupportedArgumentError(
+                "gradcomm.DistributedDataParallel does not support parameters and buffers to ignore "
+                "(torch's _set_params_and_buffers_to_ignore_for_model): set requires_grad=False on parameters "
+                "that must not be reduced, and keep rank-local state out of the module's buffers"
+            )
         group = _require_process_group(process_group, "gradcomm.DistributedDataParallel")
         if check_parameters_every is not None and check_parameters_every < 0:
             raise ValueError(
@@ -154,6 +228,15 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise ValueError(
                 f"gradcomm.DistributedDataParallel supports one device per process; got device_ids={list(device_ids)}"
             )
+        if check_reduction:
+            warnings.warn(
+                "The `check_reduction` argument in `DistributedDataParallel` module is deprecated. Please avoid "
+                "using it.",
+                FutureWarning,
+                stacklevel=2,
+            )
+        forward_sync, init_sync_buffers = resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
+        bucket_caps = bucket_size_list(bucket_cap_mb_list)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise RuntimeError(
@@ -161,34 +244,81 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "there is nothing to synchronise; train it without DDP or unfreeze a parameter"
             )
         self.module = module
-        self.process_group = process_group
-        self.device = torch.device(device_ids[0]) if device_ids else None
-        self.output_device = output_device
-        self.broadcast_buffers = broadcast_buffers
+        self.process_group = group
+        self.dim = dim
+        self.device = named[0][1].device
+        self.device_type = self.device.type
+        on_accelerator = bool(device_ids) and self.device_type != "cpu"
+        self.device_ids = [_get_device_index(d, True) for d in device_ids] if on_accelerator else None
+        self.output_device = _get_device_index(output_device or device_ids[0], True) if on_accelerator else None
+        self.is_multi_device_module = len({p.device for _, p in named}) > 1
+        self.forward_sync_buffers = forward_sync
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = False
         self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self.mixed_precision = None
+        self.skip_all_reduce_unused_params = False
+        self.batched_grad_copy = False
+        self.parameters_to_ignore: set[str] = set()
+        self.bucket_bytes_cap = max(bucket_caps) if bucket_caps else bucket_size_limits(bucket_cap_mb)[1]
+        self.bucket_bytes_cap_list = list(bucket_caps or [])
+        self.bucket_bytes_cap_default = bucket_cap_mb is None and not bucket_caps
+        self.logger = None  # torch's C++ logger; gradcomm logs through logging and ddp.comm_stats()
+        self._use_python_reducer = False
+        self._delay_all_reduce_all_params = False
         self.check_finite = check_finite
         self.check_parameters_every = check_parameters_every or 0
-        self._group = group
+        self._input_device = torch.device(device_ids[0]) if device_ids else None
+        self._reducer_options = {
+            "bucket_cap_mb": bucket_cap_mb,
+            "bucket_caps": bucket_caps,
+            "static_graph": static_graph,
+        }
         self._join: uneven.JoinState | None = None  # set while a Join context holds this DDP
         self._last_parameter_check = 0
         _check_same_parameters(module, group)
         if init_sync:
-            broadcast_coalesced([p for p in module.parameters()] + list(module.buffers()), group)
+            buffers = list(module.buffers()) if init_sync_buffers else []
+            broadcast_coalesced([p for p in module.parameters()] + buffers, group)
+        self._build_reducer()
+        if static_graph:
+            self._set_static_graph()
+
+    def _build_reducer(self) -> None:
+        """Build the reducer over the trainable parameters (at construction, and again after unpickling)."""
+        named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
+        self._group = self.process_group
         self.reducer = Reducer(
-            [p for _, p in named],
+            params,
             [name for name, _ in named],
-            process_group,
-            bucket_cap_mb,
-            find_unused_parameters,
-            gradient_as_bucket_view,
-            check_finite=check_finite,
+            self.process_group,
+            self._reducer_options["bucket_cap_mb"],
+            self.find_unused_parameters,
+            self.gradient_as_bucket_view,
+            check_finite=self.check_finite,
             settings={
-                "broadcast_buffers": repr(broadcast_buffers),
+                "forward_sync_buffers": repr(self.forward_sync_buffers),
                 "check_parameters_every": repr(self.check_parameters_every),
             },
+            sparse=expects_sparse_gradient(self.module, params),
+            bucket_caps=self._reducer_options["bucket_caps"],
         )
+
+    def _restore_after_unpickling(self) -> None:
+        """Rebuild the reducer on the default group, as torch does, or leave the module for inspection only."""
+        static, self.static_graph = self.static_graph, False
+        if dist.is_available() and dist.is_initialized():
+            self.process_group = dist.group.WORLD
+            self._build_reducer()
+            if static:
+                self._set_static_graph()
+        else:
+            self.process_group = self._group = None
+            self.reducer = _NoProcessGroup()
+            self.static_graph = static
 
     @property
     def synchronised_steps(self) -> int:
@@ -199,6 +329,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self.reducer.check_usable()
         synchronise = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self.require_forward_param_sync = synchronise
         source = 0
         if self._join is not None and self._join_config.enable:
             source = uneven.training_step(self, synchronise)
@@ -209,15 +340,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         else:
             self.reducer.disarm()
         self._broadcast_buffers(source)
-        if self.device is not None:
-            inputs, kwargs = _move_to(inputs, self.device), _move_to(kwargs, self.device)
-        output = self.module(*inputs, **kwargs)
-        if synchronise:
+        if self._input_device is not None:
+            inputs, kwargs = _move_to(inputs, self._input_device), _move_to(kwargs, self._input_device)
+        with self._inside_ddp_forward():  # torch's marker for dynamo's DDPOptimizer (a class attribute in eager)
+            output = self.module(*inputs, **kwargs)
+        if synchronise and self.require_backward_grad_sync:  # Lightning turns it off inside manual optimization
             self.reducer.prepare_for_backward(output)
+        elif synchronise:
+            self.reducer.disarm()
         return output
 
     def _broadcast_buffers(self, source: int) -> None:
-        if self.broadcast_buffers:
+        if self.forward_sync_buffers:
             buffers = list(self.module.buffers())
             if buffers:
                 with reporting_lost_peers(self.synchronised_steps, "broadcasting buffers", self._group):

@@ -38,44 +38,14 @@ from gradcomm.comm.faults import NonFiniteGradientError, PeerLostError, reportin
 from gradcomm.comm.futures import wait_quietly
 from gradcomm.ddp.bucketing import Bucket, assign_buckets, bucket_size_limits, same_tensor
 from gradcomm.ddp.hook_runner import HookRunner
+from gradcomm.ddp.sparse import SparseBucket
 from gradcomm.ddp.telemetry import CommStats
+from gradcomm.ddp.unused import UsedParameters, parameters_reached
 from gradcomm.hooks.contract import CommHook
 
 __all__ = ["Reducer"]
 
 logger = logging.getLogger(__name__)
-
-
-def _tensors_in(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors_in(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors_in(item)]
-    return []
-
-
-def _parameters_reached(outputs: Any) -> set[int]:
-    """ids of the leaf tensors that ``outputs`` depend on through the autograd graph."""
-    reached: set[int] = set()
-    stack = []
-    for tensor in _tensors_in(outputs):
-        if tensor.grad_fn is not None:
-            stack.append(tensor.grad_fn)
-        elif tensor.requires_grad:
-            reached.add(id(tensor))
-    seen = set(stack)
-    while stack:
-        node = stack.pop()
-        variable = getattr(node, "variable", None)
-        if variable is not None:
-            reached.add(id(variable))
-        for next_node, _ in node.next_functions:
-            if next_node is not None and next_node not in seen:
-                seen.add(next_node)
-                stack.append(next_node)
-    return reached
 
 
 class Reducer:
@@ -91,6 +61,10 @@ class Reducer:
         gradient_as_bucket_view: bool,
         check_finite: bool = False,
         settings: dict[str, str] | None = None,
+        *,
+        sparse: Sequence[bool] | None = None,
+        bucket_caps: Sequence[int] | None = None,
+        static_graph: bool = False,
     ) -> None:
         self._params = list(params)
         self._names = list(names)
@@ -98,23 +72,34 @@ class Reducer:
         self._world_size = dist.get_world_size(process_group)
         self._bucket_cap_mb = bucket_cap_mb
         self._first_limit, self._limit = bucket_size_limits(bucket_cap_mb)
+        self._bucket_caps = list(bucket_caps) if bucket_caps else None
+        self._sparse = list(sparse) if sparse is not None and any(sparse) else None
         self._find_unused = find_unused_parameters
         self._as_view = gradient_as_bucket_view
         self._check_finite = check_finite
         # what every rank must agree on besides the hook and the buckets (the DDP's options that add collectives)
         self._settings = dict(settings or {})
-        self._grad_scale = 1.0 / self._world_size  # the default reduction's divisor (join() may change it)
+        self._grad_scale = 1.0 / self._world_size  # the default reduction's factor (join() may change it)
+        self._grad_divisor = self._world_size  # the same as a divisor, for sparse gradients (torch divides them)
         self._runner = HookRunner("gradcomm.DistributedDataParallel", process_group)
         self._synced_backwards = 0
-        # torch does not rebuild with find_unused_parameters: the ready order then varies between iterations.
-        self._rebuild_done = find_unused_parameters
+        # torch does not rebuild with find_unused_parameters (unless the graph is static): the ready order then
+        # varies between iterations.
+        self._rebuild_done = find_unused_parameters and not static_graph
+        self._static = UsedParameters(len(self._params), static_graph)
         self._ready_order: list[int] = []
+        self._has_rebuilt = False
         self._rebuild_order: list[int] | None = None
         self._unfinished: list[str] = []
         self._armed = False
         self._build_buckets(list(reversed(range(len(self._params)))))
         self._reset_iteration()
         self_ref = weakref.ref(self)
+        # the per-gradient step of each parameter: dense into its bucket view, or sparse into a bucket of its own
+        self._markers = [
+            self._mark_sparse_ready if self._sparse and self._sparse[index] else self._mark_ready
+            for index in range(len(self._params))
+        ]
         self._grad_hook_handles = [
             param.register_post_accumulate_grad_hook(_GradReadyHook(self_ref, index))
             for index, param in enumerate(self._params)
@@ -163,6 +148,8 @@ class Reducer:
             "bucket layout": f"{len(sizes)} bucket(s) of {sizes} elements ({', '.join(dtypes)})",
             "bucket_cap_mb": repr(self._bucket_cap_mb),
             "find_unused_parameters": repr(self._find_unused),
+            "static_graph": repr(self._static.enabled),
+            "bucket_cap_mb_list": repr(self._bucket_caps),
             **self._settings,
         }
 
@@ -186,7 +173,7 @@ class Reducer:
                 f"({mismatch}); load it into the model it was saved from"
             )
         if layout["rebuilt"]:
-            self._rebuild_buckets(list(layout["order"]), broadcast=False)
+            self._rebuild_in_order(list(layout["order"]), broadcast=False)
             self._rebuild_done, self._rebuild_order, self._ready_order = True, None, []
 
     def replicas_may_differ(self) -> bool:
@@ -204,7 +191,8 @@ class Reducer:
     def set_active_ranks(self, count: int | None) -> None:
         """Average the default reduction over ``count`` ranks (``None``: all), for ``join()`` with
         ``divide_by_initial_world_size=False``. A registered hook divides as it does itself."""
-        self._grad_scale = 1.0 / (count or self._world_size)
+        self._grad_divisor = count or self._world_size
+        self._grad_scale = 1.0 / self._grad_divisor
 
     def prepare_for_forward(self, source_rank: int = 0) -> None:
         """Called before a forward whose backward will synchronise: report trouble, compare the ranks' setup
@@ -224,7 +212,7 @@ class Reducer:
             self._runner.check_same_setup(self._setup())
         if self._rebuild_order is not None:
             with reporting_lost_peers(self._synced_backwards, "rebuilding buckets", self._group):
-                self._rebuild_buckets(self._rebuild_order, source_rank=source_rank)
+                self._rebuild_in_order(self._rebuild_order, source_rank=source_rank)
             self._rebuild_order = None
 
     def arm_for_forward(self) -> None:
@@ -235,17 +223,29 @@ class Reducer:
         output yet to search for unused parameters, so under ``find_unused_parameters`` the parameters it
         has not reached by its end are treated as unused then (their buckets launch last, without overlap).
         """
-        self._reset_iteration()
-        self._armed = True
-        self._unused_at_end = self._find_unused
+        self._arm(None)
 
     def prepare_for_backward(self, outputs: Any) -> None:
-        """Arm the reducer for the backward of ``outputs``."""
+        """Arm the reducer for the backward of ``outputs`` (any nesting of tensors; torch's reducer method,
+        which Lightning's manual optimization and Accelerate's ``trigger_sync_in_backward`` call)."""
+        self.check_usable()
+        self._arm(outputs)
+
+    def _arm(self, outputs: Any) -> None:
+        """Arm for the coming backward; ``outputs`` is ``None`` when it runs inside the forward (no output yet)."""
         self._reset_iteration()
         self._armed = True
-        if self._find_unused:
-            reached = _parameters_reached(outputs)
-            self._unused = [i for i, p in enumerate(self._params) if id(p) not in reached]
+        if self._static.enabled:
+            # a static graph: the parameters without a gradient are those of the first iteration, found at its
+            # end; later iterations mark them ready at once (and, as a safety net, any other one at the end)
+            self._unused = self._static.locally_unused
+            self._unused_at_end = True
+        elif self._find_unused:
+            if outputs is None:
+                self._unused_at_end = True
+            else:
+                reached = parameters_reached(outputs)
+                self._unused = [i for i, p in enumerate(self._params) if id(p) not in reached]
 
     def disarm(self) -> None:
         """Forget a prepared backward (the next backward accumulates locally)."""
@@ -254,25 +254,33 @@ class Reducer:
     # -- bucket layout -------------------------------------------------------------------------------------
     def _build_buckets(self, order: list[int]) -> None:
         self._layout_order = order
-        groups = assign_buckets(self._params, order, self._first_limit, self._limit)
-        self._buckets = [
-            Bucket(index, indices, self._params, index == len(groups) - 1) for index, indices in enumerate(groups)
+        groups = assign_buckets(
+            self._params, order, self._first_limit, self._limit, limits=self._bucket_caps, alone=self._sparse
+        )
+        last = len(groups) - 1
+        self._buckets: list[Bucket | SparseBucket] = [
+            SparseBucket(index, indices[0], self._params, index == last)
+            if self._sparse and self._sparse[indices[0]]
+            else Bucket(index, indices, self._params, index == last)
+            for index, indices in enumerate(groups)
         ]
-        self._location: list[tuple[Bucket, torch.Tensor]] = [None] * len(self._params)  # type: ignore[list-item]
+        self._location: list[tuple[Any, Any]] = [None] * len(self._params)  # type: ignore[list-item]
         for bucket in self._buckets:
-            for index, view in zip(bucket.param_indices, bucket.views, strict=True):
+            views = [None] if bucket.sparse else bucket.views
+            for index, view in zip(bucket.param_indices, views, strict=True):
                 self._location[index] = (bucket, view)
 
-    def _rebuild_buckets(self, ready_order: list[int], broadcast: bool = True, source_rank: int = 0) -> None:
+    def _rebuild_in_order(self, ready_order: list[int], broadcast: bool = True, source_rank: int = 0) -> None:
         order = torch.tensor(ready_order, dtype=torch.int64)
         if broadcast:  # one rank's order (rank 0's), so that every rank has the same buckets
             src = dist.get_global_rank(self._group or dist.group.WORLD, source_rank)
             dist.broadcast(order, src=src, group=self._group)
         old_grads = [p.grad for p in self._params] if self._as_view else []
         self._build_buckets(order.tolist())
+        self._has_rebuilt = True
         for index, grad in enumerate(old_grads):
-            if grad is not None:
-                view = self._location[index][1]
+            view = self._location[index][1]
+            if grad is not None and view is not None:
                 view.copy_(grad)
                 self._params[index].grad = view
         self._reset_iteration()
@@ -287,7 +295,9 @@ class Reducer:
         self._callback_queued = False
         self._unused: list[int] = []
         self._unused_at_end = False
-        self._locally_used = torch.zeros(len(self._params), dtype=torch.int32) if self._find_unused else None
+        self._locally_used = (
+            torch.zeros(len(self._params), dtype=torch.int32) if self._static.reduces_used_map(self._find_unused) else None
+        )
 
     def _on_grad_ready(self, index: int) -> None:
         if not self._armed:
@@ -296,17 +306,20 @@ class Reducer:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
             for unused in self._unused:
-                self._mark_ready(unused)
+                self._markers[unused](unused)
         if self._locally_used is not None:
             self._locally_used[index] = 1
-        self._mark_ready(index)
+        self._markers[index](index)
+
+    def _received_twice(self, index: int) -> RuntimeError:
+        return RuntimeError(
+            f"gradcomm.DistributedDataParallel: parameter {self._names[index]} received its gradient twice "
+            "in one backward (is it used in two backward passes, or by reentrant checkpointing?)"
+        )
 
     def _mark_ready(self, index: int) -> None:
         if self._ready[index]:
-            raise RuntimeError(
-                f"gradcomm.DistributedDataParallel: parameter {self._names[index]} received its gradient twice "
-                "in one backward (is it used in two backward passes, or by reentrant checkpointing?)"
-            )
+            raise self._received_twice(index)
         self._ready[index] = 1
         if not self._rebuild_done:
             self._ready_order.append(index)
@@ -322,6 +335,20 @@ class Reducer:
             torch.mul(grad, self._grad_scale, out=view)  # as torch: pre-divide, then sum
         if self._as_view and grad is not None and not same_tensor(grad, view):
             param.grad = view
+        self._pending[bucket.index] -= 1
+        if self._pending[bucket.index] == 0:
+            self._launch_ready_buckets()
+
+    def _mark_sparse_ready(self, index: int) -> None:
+        """:meth:`_mark_ready` for a parameter with a sparse gradient (a bucket of its own; see ddp/sparse.py)."""
+        if self._ready[index]:
+            raise self._received_twice(index)
+        self._ready[index] = 1
+        if not self._rebuild_done:
+            self._ready_order.append(index)
+        bucket = self._location[index][0]
+        divisor = self._grad_divisor if self._runner.averages_itself else None
+        bucket.take(self._params[index].grad, divisor, self._names[index])
         self._pending[bucket.index] -= 1
         if self._pending[bucket.index] == 0:
             self._launch_ready_buckets()
@@ -356,10 +383,11 @@ class Reducer:
 
     def _check_bucket_finite(self, bucket: Bucket) -> None:
         """``check_finite``: raise before ``bucket`` is sent if it holds NaN or infinity, naming the parameter."""
-        if bool(torch.isfinite(bucket.buffer).all()):
+        if bool(torch.isfinite(bucket.finite_values() if bucket.sparse else bucket.buffer).all()):
             return
         offending = []
-        for index, view in sorted(zip(bucket.param_indices, bucket.views, strict=True), key=lambda item: item[0]):
+        views = [bucket.finite_values()] if bucket.sparse else bucket.views
+        for index, view in sorted(zip(bucket.param_indices, views, strict=True), key=lambda item: item[0]):
             finite = torch.isfinite(view)
             if not bool(finite.all()):
                 nans = int(torch.isnan(view).sum())
@@ -384,9 +412,10 @@ class Reducer:
         peer_lost = False
         try:
             if self._unused_at_end:
-                for index in range(len(self._params)):
-                    if not self._ready[index]:
-                        self._mark_ready(index)
+                index = self._ready.find(0)
+                while index != -1:
+                    self._markers[index](index)
+                    index = self._ready.find(0, index + 1)
             if self._next_bucket < len(self._buckets):
                 self._unfinished = [self._names[i] for i in range(len(self._params)) if not self._ready[i]]
                 return
@@ -395,7 +424,12 @@ class Reducer:
                 for bucket, future in zip(self._buckets, self._futures, strict=True)
             ]
             globally_used = self._after_last_bucket(step, results, self._locally_used)
+            globally_used = self._static.after_step(self._locally_used, globally_used)
             for bucket, result in zip(self._buckets, results, strict=True):
+                if bucket.sparse:
+                    if globally_used is None or globally_used[bucket.param_indices[0]]:
+                        bucket.write(result)
+                    continue
                 if not same_tensor(result, bucket.buffer):
                     bucket.buffer.copy_(result)
                 self._write_gradients(bucket, globally_used)
@@ -428,8 +462,10 @@ class Reducer:
                 zeros = torch.zeros_like(bucket.buffer)
                 launched.append((bucket, zeros, self._runner.launch(bucket.grad_bucket(zeros), step)))
             results = [self._runner.result(future, bucket.index, zeros, step) for bucket, zeros, future in launched]
-            unused = torch.zeros(len(self._params), dtype=torch.int32) if self._find_unused else None
-            self._after_last_bucket(step, results, unused)
+            reduces_map = self._static.reduces_used_map(self._find_unused)
+            unused = torch.zeros(len(self._params), dtype=torch.int32) if reduces_map else None
+            globally_used = self._after_last_bucket(step, results, unused)
+            self._static.after_step(None, globally_used)
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -451,8 +487,9 @@ class Reducer:
         with reporting_lost_peers(step, "after the last bucket (used-parameter map, telemetry)", self._group):
             globally_used = None
             if locally_used is not None:
-                dist.all_reduce(locally_used, group=self._group)
-                globally_used = locally_used.tolist()
+                reduced = locally_used.clone()  # the local flags are kept for the static-graph record
+                dist.all_reduce(reduced, group=self._group)
+                globally_used = reduced.tolist()
             for bucket, result in zip(self._buckets, results, strict=True):
                 self.stats.compare_result(bucket.index, result, self._group)
         return globally_used
@@ -472,6 +509,65 @@ class Reducer:
     def _drain_futures(self) -> None:
         """Wait for every launched future so no collective outlives the iteration (errors already raised)."""
         wait_quietly(self._futures)
+
+    # -- torch's Reducer methods that frameworks call, and what torch's DDP methods need --------------------
+    def _rebuild_buckets(self) -> bool:
+        """torch's ``Reducer._rebuild_buckets()``: do the one-time rebuild now if it is due; whether it ran.
+
+        The DDP's forward does it anyway; Lightning calls it again before a manual backward. A collective when
+        due (rank 0's ready order is broadcast), so every rank must call it.
+        """
+        if self._rebuild_order is None:
+            return False
+        with reporting_lost_peers(self._synced_backwards, "rebuilding buckets", self._group):
+            self._rebuild_in_order(self._rebuild_order)
+        self._rebuild_order = None
+        return True
+
+    def _delay_all_reduce(self) -> None:
+        """torch's first-iteration flush of a static graph, which Lightning calls after a manual backward.
+
+        Nothing to do here: a static graph's first iteration is reduced by the end of its backward already
+        (parameters without a gradient are found and marked ready then).
+        """
+
+    def set_static_graph(self) -> None:
+        """Treat the graph as static from now on; only before the first synchronised iteration, as in torch."""
+        if self._synced_backwards or self._armed and self._callback_queued:
+            raise RuntimeError(
+                "gradcomm.DistributedDataParallel._set_static_graph() must be called before the first "
+                f"synchronised iteration ({self._synced_backwards} already ran); pass static_graph=True to the "
+                "constructor instead"
+            )
+        self._static = UsedParameters(len(self._params), True)
+        self._rebuild_done = False
+        self._runner.setup_checked = False  # the ranks compare the new setting at the next synchronised forward
+
+    @property
+    def has_rebuilt_buckets(self) -> bool:
+        return self._has_rebuilt
+
+    @property
+    def hook_name(self) -> str:
+        return self._runner.name
+
+    def bucket_sizes_bytes(self) -> list[int]:
+        """Each bucket's size in bytes (a sparse bucket: its parameter's dense size)."""
+        return [sum(p.numel() * p.element_size() for p in bucket.params) for bucket in self._buckets]
+
+    def can_set_static_graph(self) -> bool:
+        """Whether the iterations so far suggest ``static_graph=True`` would hold (see ``UsedParameters``)."""
+        return self._synced_backwards > 0 and self._static.consistent
+
+    def check_finalized(self) -> None:
+        """Raise if the last synchronised backward left buckets unreduced (torch's ``_check_reducer_finalized``)."""
+        if self._unfinished or (self._armed and self._callback_queued):
+            unready = self._unfinished or [self._names[i] for i in range(len(self._params)) if not self._ready[i]]
+            raise RuntimeError(
+                "gradcomm.DistributedDataParallel: the last backward did not finish reducing: no gradient "
+                f"arrived for {', '.join(unready[:10])}. Pass find_unused_parameters=True if they are unused on "
+                "purpose."
+            )
 
     def remove_hooks(self) -> None:
         for handle in self._grad_hook_handles:

@@ -25,6 +25,8 @@ from gradcomm.hooks.grad_bucket import GradBucket
 __all__ = [
     "DEFAULT_HOOK_NAME",
     "CommHookError",
+    "CommHookResultError",
+    "CommHookTypeError",
     "call_hook",
     "check_hook",
     "hook_name",
@@ -43,7 +45,19 @@ _FUTURE_TYPE_NAMES = ("Future", "torch.futures.Future", "Future[torch.Tensor]", 
 
 
 class CommHookError(RuntimeError):
-    """A communication hook raised, or its future failed, on a bucket."""
+    """A communication hook raised, or its future failed, on a bucket.
+
+    A ``RuntimeError``, as what torch's DDP raises for these, so ``except RuntimeError`` written for torch
+    catches it; the subclasses below are also the ``TypeError``/``ValueError`` gradcomm raised before.
+    """
+
+
+class CommHookTypeError(CommHookError, TypeError):
+    """A hook returned something other than a future, or its future held something other than a tensor."""
+
+
+class CommHookResultError(CommHookError, ValueError):
+    """A hook's future held a tensor of another shape or dtype than the bucket's buffer."""
 
 
 def hook_name(hook: Callable[..., Any]) -> str:
@@ -100,13 +114,20 @@ def call_hook(
     except Exception as exc:
         if is_communication_failure(exc):
             raise lost_contact(exc, step, f"bucket {bucket.index()} (hook: {hook_name(hook)})", group) from exc
+        buffer = bucket.buffer()
+        sparse = (
+            ", a sparse bucket: torch's DDP hands sparse gradients (nn.Embedding(sparse=True)) to hooks too, so the "
+            "hook must handle a sparse buffer, or use no hook"
+            if buffer.is_sparse
+            else ""
+        )
         raise CommHookError(
             f"Communication hook {hook_name(hook)} raised on bucket {bucket.index()} "
-            f"({bucket.buffer().numel()} elements): {type(exc).__name__}: {exc}{rank_and_step(step)}; "
+            f"({buffer.numel()} elements{sparse}): {type(exc).__name__}: {exc}{rank_and_step(step)}; "
             "the hook's traceback is chained below"
         ) from exc
     if not isinstance(future, torch._C.Future):
-        raise TypeError(
+        raise CommHookTypeError(
             f"Communication hook {hook_name(hook)} returned {type(future).__name__} on bucket "
             f"{bucket.index()}; it must return a torch.futures.Future whose value is the bucket's tensor"
         )
@@ -139,12 +160,12 @@ def hook_result(
     if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], torch.Tensor):
         value = value[0]  # torch's collectives' futures hold a one-element list
     if not isinstance(value, torch.Tensor):
-        raise TypeError(
+        raise CommHookTypeError(
             f"Communication hook {name}: the future for bucket {index} holds {type(value).__name__}; "
             f"expected a tensor of shape {tuple(expected.shape)} and dtype {expected.dtype}"
         )
     if value.shape != expected.shape or value.dtype != expected.dtype:
-        raise ValueError(
+        raise CommHookResultError(
             f"Communication hook {name}: the future for bucket {index} holds a tensor of shape "
             f"{tuple(value.shape)} and dtype {value.dtype}; expected shape {tuple(expected.shape)} and dtype "
             f"{expected.dtype} (the bucket's buffer)"

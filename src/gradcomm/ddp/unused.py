@@ -1,0 +1,91 @@
+"""Parameters that get no gradient: finding them from the forward's output, and remembering them for a static graph.
+
+With ``find_unused_parameters=True`` the reducer searches the autograd graph from the forward's output each
+iteration (:func:`parameters_reached`) and marks the parameters it does not reach as ready at once. With
+``static_graph=True`` (torch's promise that the same parameters are used every iteration) it instead finds them
+once, at the end of the first iteration's backward, and :class:`UsedParameters` remembers them: later
+iterations mark them ready at once, without searching the graph and without the allreduce of the
+used-parameter map, and leave the ``.grad`` of parameters no rank used untouched, as torch does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["UsedParameters", "parameters_reached"]
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors_in(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors_in(item)]
+    return []
+
+
+def parameters_reached(outputs: Any) -> set[int]:
+    """ids of the leaf tensors that ``outputs`` depend on through the autograd graph."""
+    reached: set[int] = set()
+    stack = []
+    for tensor in _tensors_in(outputs):
+        if tensor.grad_fn is not None:
+            stack.append(tensor.grad_fn)
+        elif tensor.requires_grad:
+            reached.add(id(tensor))
+    seen = set(stack)
+    while stack:
+        node = stack.pop()
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            reached.add(id(variable))
+        for next_node, _ in node.next_functions:
+            if next_node is not None and next_node not in seen:
+                seen.add(next_node)
+                stack.append(next_node)
+    return reached
+
+
+class UsedParameters:
+    """A static graph's record of unused parameters, and the evidence for torch's ``can_set_static_graph``.
+
+    Args:
+        count: number of parameters the reducer handles.
+        static: whether the graph is declared static.
+    """
+
+    def __init__(self, count: int, static: bool) -> None:
+        self.enabled = static
+        self.count = count
+        self.locally_unused: list[int] = []  # static: this rank's parameters without a gradient
+        self.globally_used: list[int] | None = None  # static: which parameters some rank used
+        self.recorded = False  # static: the first iteration has been recorded
+        self.consistent = True  # every iteration so far left the same parameters without a gradient
+        self._last_unused: tuple[int, ...] | None = None
+
+    def reduces_used_map(self, find_unused: bool) -> bool:
+        """Whether this iteration allreduces the used-parameter map: every iteration when searching for unused
+        parameters, only the first one of a static graph."""
+        return not self.recorded if self.enabled else find_unused
+
+    def after_step(self, locally_used: torch.Tensor | None, globally_used: list[int] | None) -> list[int] | None:
+        """Record a finished step (``locally_used``: this rank's flags, ``None`` when not tracked or on a joined
+        rank); returns the globally-used flags that decide which ``.grad`` are written."""
+        if locally_used is not None:
+            unused = tuple((locally_used == 0).nonzero().flatten().tolist())
+            if self._last_unused is not None and unused != self._last_unused:
+                self.consistent = False
+            self._last_unused = unused
+        if not self.enabled:
+            return globally_used
+        if not self.recorded:
+            self.recorded = True
+            self.globally_used = globally_used
+            if locally_used is not None:
+                self.locally_unused = list(self._last_unused or ())
+            elif globally_used is not None:  # a joined rank knows only what no rank used
+                self.locally_unused = [index for index, used in enumerate(globally_used) if not used]
+        return self.globally_used
