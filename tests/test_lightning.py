@@ -172,16 +172,32 @@ def lightning_checks(folder: str) -> dict[str, Any]:
     except TypeError as exc:
         results["static_graph"] = f"{type(exc).__name__}: {exc}"
 
+    local_folder = os.path.join(folder, "post_local")
+    saving = pl.callbacks.ModelCheckpoint(dirpath=local_folder, filename="{epoch}", every_n_epochs=1, save_top_k=-1)
     for name, torch_state in (("post_local", False), ("post_local_torch", True)):
-        observer = _fit(Regression(), _post_local(torch_state), max_epochs=3)
+        observer = _fit(Regression(), _post_local(torch_state), max_epochs=3, callbacks=() if torch_state else (saving,))
         results[name] = observer.seen
         results[name + "_agreement"] = observer.agreement
+    # after epoch 0 (4 steps) the replicas and optimizer states differ: step 3 was local
+    resumed = _fit(Regression(seed=1), _post_local(False), max_epochs=3, ckpt_path=f"{local_folder}/epoch=0.ckpt")
+    results["post_local_resumed"] = resumed.seen
     return results
 
 
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_on_ranks(lightning_checks, world_size=2, args=(str(tmp_path_factory.mktemp("ckpt")),), timeout=240)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in nested dicts and lists, in key order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for key in sorted(value, key=repr) for t in _tensors(value[key])]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
 
 
 def _same_on_ranks(observed: list[dict[str, Any]], run: str) -> np.ndarray:
@@ -207,20 +223,16 @@ def test_fit_allreduce_and_powersgd(observed: list[dict[str, Any]]) -> None:
 def test_resumed_fit_continues_bit_for_bit(observed: list[dict[str, Any]]) -> None:
     checkpoint = observed[0]["checkpoint"]
     assert checkpoint["format"] == FORMAT and checkpoint["world_size"] == 2
-    errors = [share["hook_state"] for share in checkpoint["ranks"]]
-    assert all(share["bucket_layout"] is not None for share in checkpoint["ranks"])
-    differing = [
-        key
-        for key, value in errors[0].items()
-        if isinstance(value, torch.Tensor) and not torch.equal(value, errors[1][key])
-    ]
-    assert differing or any(  # each rank's error feedback is its own; nested per-bucket dicts count too
-        isinstance(value, dict) for value in errors[0].values()
-    )
+    assert all(share["bucket_layout"]["rebuilt"] for share in checkpoint["ranks"])
+    feedback = [_tensors(share["hook_state"]["error_dict"]) for share in checkpoint["ranks"]]
+    assert feedback[0] and len(feedback[0]) == len(feedback[1])
+    assert not all(torch.equal(a, b) for a, b in zip(*feedback, strict=True))  # each rank's error feedback is its own
     for rank in observed:
         assert rank["resumed"]["global_step"] == 16
         assert np.array_equal(rank["resumed"]["params"], rank["powersgd"]["params"])
         assert rank["resumed"]["hook_iter"] == rank["powersgd"]["hook_iter"]
+        resumed, uninterrupted = _tensors(rank["resumed"]["hook_state"]), _tensors(rank["powersgd"]["hook_state"])
+        assert len(resumed) == len(uninterrupted) and all(map(torch.equal, resumed, uninterrupted))
         assert rank["resumed"]["wrong_world_size"].startswith("CheckpointError: GradcommDDPStrategy:")
         assert "this fit has 2" in rank["resumed"]["wrong_world_size"]
         assert "Resume with 3 ranks" in rank["resumed"]["wrong_world_size"]
@@ -251,6 +263,13 @@ def test_post_local_sgd_averages(observed: list[dict[str, Any]]) -> None:
             assert rank[run + "_agreement"] == expected, run
         _same_on_ranks(observed, run)
     assert np.array_equal(observed[0]["post_local"]["params"], observed[0]["post_local_torch"]["params"])
+
+
+@pytest.mark.timeout(300)
+def test_post_local_sgd_resumes_in_the_local_phase(observed: list[dict[str, Any]]) -> None:
+    for rank in observed:
+        assert rank["post_local_resumed"]["global_step"] == 12
+        assert np.array_equal(rank["post_local_resumed"]["params"], rank["post_local"]["params"])
 
 
 def test_strategy_refuses_misuse() -> None:
