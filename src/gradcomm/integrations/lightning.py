@@ -33,6 +33,8 @@ What it changes in ``DDPStrategy``
 * Post-local SGD model averaging is enabled for gradcomm's ``PostLocalSGDState`` as for torch's (Lightning
   recognises only torch's class), with :class:`gradcomm.PeriodicModelAverager`, which averages bit for bit as
   torch's does and checks right after each averaging that the replicas agree.
+* Manual optimization: every ``manual_backward`` (several per ``training_step`` too) arms gradcomm's reducer,
+  so each backward is synchronised; the first iteration of a static graph needs no delayed flush.
 * Checkpoints carry gradcomm's per-rank state under the key ``"gradcomm"``.
 
 Checkpoints: per-rank state gathered into the one checkpoint file
@@ -240,6 +242,21 @@ class GradcommDDPStrategy(DDPStrategy):
             period=self._model_averaging_period,
             warmup_steps=self._ddp_comm_state.start_localSGD_iter,  # type: ignore[attr-defined]
         )
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        """Under manual optimization, arm gradcomm's reducer for the backward of ``closure_loss``.
+
+        ``manual_backward`` runs inside the DDP's forward (``training_step`` is redirected through it), possibly
+        several times; each backward must be synchronised, so each is prepared here, as Lightning prepares
+        torch's reducer. Under ``find_unused_parameters`` the parameters ``closure_loss`` does not reach are
+        treated as unused.
+        """
+        model = self.model
+        module = self.lightning_module
+        if not isinstance(model, gradcomm.DistributedDataParallel) or module is None:
+            return
+        if not module.automatic_optimization and torch.is_grad_enabled() and model.require_backward_grad_sync:
+            model.reducer.prepare_for_backward(closure_loss)
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         """Nothing to do: gradcomm's reducer launches every bucket during backward, also in the first
