@@ -292,6 +292,10 @@ def test_strategy_refuses_misuse() -> None:
     strategy = GradcommDDPStrategy(ddp_comm_hook="post_localsgd", ddp_comm_hook_options={"start_localSGD_iter": 2})
     strategy._ddp_comm_state = object()
     assert "pass model_averaging_period=N to average every N steps" in error_text(strategy._enable_model_averaging)
+    strategy.model = nn.Linear(2, 2)  # what a subclass overriding _setup_model wrongly returned
+    assert "expected the model to be wrapped in gradcomm.DistributedDataParallel, got Linear" in error_text(
+        strategy._register_ddp_hooks
+    )
 
 
 def test_registered_by_name() -> None:

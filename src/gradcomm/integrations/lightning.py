@@ -77,6 +77,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_post_local_sgd
 
@@ -225,7 +226,7 @@ class GradcommDDPStrategy(DDPStrategy):
             self._model_averager is None
             and isinstance(self._ddp_comm_state, _POST_LOCAL_SGD_STATES)
             and self.lightning_module is not None
-            and trainer.state.fn == "fit"
+            and trainer.state.fn == TrainerFn.FITTING
         ):
             self._enable_model_averaging()
 
