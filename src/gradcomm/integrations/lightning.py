@@ -257,7 +257,7 @@ class GradcommDDPStrategy(DDPStrategy):
         if not isinstance(model, gradcomm.DistributedDataParallel) or module is None:
             return
         if not module.automatic_optimization and torch.is_grad_enabled() and model.require_backward_grad_sync:
-            model.reducer.prepare_for_backward(closure_loss)
+            model.reducer.prepare_for_backward([closure_loss])
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         """Nothing to do: gradcomm's reducer launches every bucket during backward, also in the first
