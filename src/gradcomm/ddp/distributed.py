@@ -52,6 +52,7 @@ from gradcomm.ddp.torch_compat import (
     refuse_unsupported_arguments,
     resolve_buffer_sync,
 )
+from gradcomm.hooks import parameter_keys
 from gradcomm.hooks.contract import CommHook
 
 __all__ = ["CHECK_PARAMETERS_EVERY", "DistributedDataParallel", "ParameterMismatchError"]
@@ -288,6 +289,7 @@ class DistributedDataParallel(TorchDDPSurface):
 
     def _build_reducer(self) -> None:
         """Build the reducer over the trainable parameters (at construction, and again after unpickling)."""
+        parameter_keys.name_parameters(self.module)  # hook state keyed by name resumes whatever the buckets
         named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         self._group = self.process_group
