@@ -1,0 +1,1 @@
+"""Optional integrations with training frameworks; each module imports its framework lazily."""
