@@ -115,7 +115,7 @@ def _reference(group_after, post_local: bool = True) -> dict:
     return out
 
 
-def _rank_post_local(kind: str) -> dict:
+def _rank_post_local(kind: str, built_before_init: PostLocalSGDState) -> dict:
     world_size = dist.get_world_size()
     subgroup, _ = dist.new_subgroups_by_enumeration(SUBGROUPS[world_size])
     runs = {}
@@ -145,10 +145,13 @@ def _rank_post_local(kind: str) -> dict:
         torch_averagers.PeriodicModelAverager(PERIOD, START),
     )
     runs["reference_local"] = _reference(None, post_local=False)
-    # Default subgroup: the intra-node one, which on one machine is every rank.
-    default_state = PostLocalSGDState(None, None, START)
-    runs["default_subgroup_ranks"] = dist.get_process_group_ranks(default_state.subgroup)
-    runs["ours_default"] = _train(kind, post_localSGD_hook, default_state, PeriodicModelAverager(PERIOD, START))
+    # Default subgroup: the intra-node one, which on one machine is every rank, created on first use by a
+    # state built in the test's process, where no process group exists (as Lightning builds it).
+    assert built_before_init.subgroup is None
+    runs["ours_default"] = _train(
+        kind, post_localSGD_hook, built_before_init, PeriodicModelAverager(PERIOD, START)
+    )
+    runs["default_subgroup_ranks"] = dist.get_process_group_ranks(built_before_init.subgroup)
     runs["reference_global"] = _reference(dist.group.WORLD)
 
     # Pickling leaves both groups out; the state dict holds only plain values.
@@ -181,7 +184,9 @@ def _assert_same_run(a: dict, b: dict, exact: bool) -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("kind", DDP_KINDS)
 def test_post_local_sgd_phases_and_agreement_with_reference_hook(kind, world_size):
-    results = run_on_ranks(_rank_post_local, world_size, args=(kind,), timeout=110)
+    assert not dist.is_initialized()
+    built_before_init = PostLocalSGDState(None, None, START)
+    results = run_on_ranks(_rank_post_local, world_size, args=(kind, built_before_init), timeout=110)
     runs = {name: [r[name] for r in results] for name in results[0]}
     everyone = list(range(world_size))
 
@@ -230,6 +235,14 @@ def test_state_without_process_group_pickles_and_round_trips_weights_only(tmp_pa
     assert (loaded.iter, loaded.start_localSGD_iter) == (4, 5)
     with pytest.raises(ValueError, match="start_localSGD_iter must be >= 0"):
         PostLocalSGDState(None, None, start_localSGD_iter=-1, post_local_gradient_allreduce=False)
+
+
+def test_default_subgroup_needs_a_process_group_at_first_use():
+    state = PostLocalSGDState(None, None, start_localSGD_iter=0)
+    assert state.subgroup is None
+    with pytest.raises(RuntimeError, match=r"intra-node subgroup \(subgroup=None\) is created on first use.*"
+                       r"init_process_group"):
+        state.post_local_group()
 
 
 def test_averager_schedule_checks_and_state_dict(tmp_path):

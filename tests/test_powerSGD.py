@@ -5,7 +5,7 @@ work, each for both DDP kinds (torch's first); a failure under one kind is repor
 
 * 2 ranks: the same gradients and state as torch's hooks; exact averaging when the approximation rank
   covers the gradients' rank; the first half of a checkpointed run and its uninterrupted reference;
-* 2 fresh ranks: the resumed runs, bit for bit, and a checkpoint refused for another bucket layout;
+* 2 fresh ranks: the resumed runs, bit for bit, and a checkpoint resumed in another bucket layout;
 * 3 ranks: error feedback keeping the applied updates on track, zero gradients without NaN, compression
   statistics, many buckets, and a checkpoint refused at another world size.
 
@@ -13,10 +13,9 @@ Every run returns each rank's parameters after every step, so every multi-rank t
 ranks hold identical parameters throughout. Single-process tests cover the options, the state's round trips,
 orthonormalization, refusals that happen before any communication, and the order collectives are launched in.
 
-Checkpointed runs use ``find_unused_parameters=True``: with it neither DDP rebuilds its buckets after the
-first iteration of a process. Without it torch's DDP starts every process with all parameters in one bucket
-in registration order, so a resumed process's first iteration has another bucket layout than the one the
-checkpoint was made with, which the state refuses (torch's own state silently applies the saved error).
+Checkpointed runs here use ``find_unused_parameters=True``: with it neither DDP rebuilds its buckets after
+the first iteration of a process, so the resumed run has the saved layout. Resuming through a rebuild (the
+state is keyed by parameter) is tested in tests/test_state_resume.py.
 
 torch 2.13's ``batched_powerSGD_hook`` fails (its 2-D Q reaches an orthogonalizer that asserts a 3-D batch),
 so ours is compared with it after :func:`_patch_torch_orthogonalize` lets it through.
@@ -39,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
+from gradcomm.hooks.parameter_keys import name_parameters
 from gradcomm.hooks.powersgd.kernel import orthogonalize
 from gradcomm.hooks.powerSGD_hook import (
     PowerSGDState,
@@ -156,12 +156,17 @@ def _step(
 
 
 def _recording(
-    hook: Callable[..., Any], layouts: list[tuple[int, int, list[tuple[int, ...]]]]
+    hook: Callable[..., Any],
+    layouts: list[tuple[int, int, list[tuple[int, ...]]]],
+    keys: dict[int, Any] | None = None,
 ) -> Callable[..., Any]:
-    """``hook``, noting (iteration, bucket index, gradient shapes) of every call in ``layouts``."""
+    """``hook``, noting (iteration, bucket index, gradient shapes) of every call in ``layouts``, and each
+    bucket index's latest parameter keys in ``keys``."""
 
     def recorded(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         layouts.append((state.iter, bucket.index(), [tuple(g.shape) for g in bucket.gradients()]))
+        if keys is not None:
+            keys[bucket.index()] = state.keys(bucket)
         return hook(state, bucket)
 
     return recorded
@@ -240,8 +245,9 @@ def _compare_with_torch(kind: str, case: str) -> dict[str, Any]:
     ours_state = PowerSGDState(None, **options)
     theirs_layouts: list[Any] = []
     ours_layouts: list[Any] = []
+    ours_keys: dict[int, Any] = {}
     theirs_ddp.register_comm_hook(theirs_state, _recording(_torch_hook(hook_name), theirs_layouts))
-    ours_ddp.register_comm_hook(ours_state, _recording(HOOKS[hook_name][0], ours_layouts))
+    ours_ddp.register_comm_hook(ours_state, _recording(HOOKS[hook_name][0], ours_layouts, ours_keys))
     theirs_opt = torch.optim.SGD(theirs_model.parameters(), lr=LR, momentum=0.9)
     ours_opt = torch.optim.SGD(ours_model.parameters(), lr=LR, momentum=0.9)
     grad_error, exact, params = 0.0, True, []
@@ -256,8 +262,8 @@ def _compare_with_torch(kind: str, case: str) -> dict[str, Any]:
         params.append(_flat_params(ours_model))
     state_error = 0.0
     for theirs_dict, ours_dict in (
-        (theirs_state.error_dict, ours_state.error_dict),
-        (theirs_state.q_memory_dict, ours_state.q_memory_dict),
+        (theirs_state.error_dict, _per_bucket_errors(ours_state, ours_keys)),
+        (theirs_state.q_memory_dict, _per_bucket_qs(ours_state, ours_keys)),
     ):
         assert sorted(theirs_dict) == sorted(ours_dict), (sorted(theirs_dict), sorted(ours_dict))
         for index, tensor in theirs_dict.items():
@@ -274,6 +280,38 @@ def _compare_with_torch(kind: str, case: str) -> dict[str, Any]:
         "layouts": (theirs_layouts[-1], ours_layouts[-1]),
         "params": params,
     }
+
+
+def _per_bucket_errors(state: PowerSGDState, keys: dict[int, Any]) -> dict[int, torch.Tensor]:
+    """Our per-parameter errors laid out as torch's per-bucket ones (the padding's after, if batched)."""
+    errors: dict[int, torch.Tensor] = {}
+    for index, bucket_keys in keys.items():
+        if not state.use_error_feedback:
+            continue
+        parts = [state.error_dict[key].reshape(-1) for key in bucket_keys]
+        padding = state.bucket_padding_error_dict.get(bucket_keys)
+        errors[index] = torch.cat(parts + ([padding] if padding is not None else []))
+    return errors
+
+
+def _per_bucket_qs(state: PowerSGDState, keys: dict[int, Any]) -> dict[int, torch.Tensor]:
+    """Our warm-start Qs laid out as torch's per-bucket memory: by matrix shape in order of first appearance."""
+    qs: dict[int, torch.Tensor] = {}
+    for index, bucket_keys in keys.items():
+        if not state.warm_start:
+            continue
+        if bucket_keys in state.bucket_q_memory_dict:
+            qs[index] = state.bucket_q_memory_dict[bucket_keys]
+            continue
+        shapes: dict[tuple[int, int], int] = {}
+        compressed = []
+        for position, key in enumerate(bucket_keys):
+            if key in state.q_memory_dict:
+                shape = state.parameter_shapes[key]
+                group = shapes.setdefault((shape[0], math.prod(shape) // shape[0]), len(shapes))
+                compressed.append((group, position, key))
+        qs[index] = torch.cat([state.q_memory_dict[key].reshape(-1) for _, _, key in sorted(compressed)])
+    return qs
 
 
 # (model, batch, hook, options): the rank covers every compressed matrix's rank. The weights' averaged
@@ -314,7 +352,7 @@ def _compare_with_exact(kind: str, case: str) -> dict[str, Any]:
         exact_opt.step()
         ours_opt.step()
         params.append(_flat_params(ours_model))
-    q_numel = sum(q.numel() for q in state.q_memory_dict.values())
+    q_numel = sum(q.numel() for q in [*state.q_memory_dict.values(), *state.bucket_q_memory_dict.values()])
     return {"errors": errors, "q_numel": q_numel, "params": params}
 
 
@@ -322,10 +360,14 @@ def _compare_with_exact(kind: str, case: str) -> dict[str, Any]:
 CHECKPOINT_OPTIONS: dict[str, Any] = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2}
 CHECKPOINT_STEPS = 8
 CHECKPOINT_AT = 4
+STATE_BUFFERS = ("error_dict", "q_memory_dict", "bucket_q_memory_dict", "bucket_padding_error_dict")
 
 
 def _checkpoint_run(kind: str) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, PowerSGDState]:
+    """Parameters named on both DDPs, so the state also resumes in other buckets (_resume_with_other_buckets):
+    keys by order of first appearance follow the initial layout, which another bucket_cap_mb changes."""
     model = _seeded(Net)
+    name_parameters(model)
     ddp = make_ddp(kind, model, find_unused_parameters=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     state = PowerSGDState(None, **CHECKPOINT_OPTIONS)
@@ -336,8 +378,10 @@ def _state_snapshot(state: PowerSGDState) -> dict[str, Any]:
     _, keys, pos, has_gauss, cached = state.rng.get_state()
     return {
         "iter": state.iter,
-        "error_dict": {i: t.clone() for i, t in state.error_dict.items()},
-        "q_memory_dict": {i: t.clone() for i, t in state.q_memory_dict.items()},
+        **{
+            name: {key: t.clone() for key, t in getattr(state, name).items()}
+            for name in STATE_BUFFERS
+        },
         "rng": (keys.copy(), pos, has_gauss, cached),
         "stats": state.compression_stats(),
     }
@@ -379,6 +423,7 @@ def _resume(kind: str, directory: str, hook_name: str, how: str) -> dict[str, An
     weights_path, pickle_path = _files(directory, kind, hook_name, dist.get_rank())
     checkpoint = torch.load(weights_path, weights_only=True)
     model = _seeded(Net, seed=1)
+    name_parameters(model)
     model.load_state_dict(checkpoint["model"])
     ddp = make_ddp(kind, model, find_unused_parameters=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
@@ -396,20 +441,25 @@ def _resume(kind: str, directory: str, hook_name: str, how: str) -> dict[str, An
     return {"losses": losses, "params": params, "state": _state_snapshot(state)}
 
 
-def _resume_with_other_buckets(kind: str, directory: str) -> str:
+def _resume_with_other_buckets(kind: str, directory: str) -> dict[str, Any]:
+    """The layer-wise state resumed in smaller buckets: per-parameter state fits any layout."""
     weights_path, _ = _files(directory, kind, "powerSGD", dist.get_rank())
     checkpoint = torch.load(weights_path, weights_only=True)
     model = _seeded(Net)
+    name_parameters(model)
     model.load_state_dict(checkpoint["model"])
     ddp = make_ddp(kind, model, find_unused_parameters=True, bucket_cap_mb=0.002)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    optimizer.load_state_dict(checkpoint["optimizer"])
     state = PowerSGDState(None, **CHECKPOINT_OPTIONS)
     state.load_state_dict(checkpoint["hook"])
-    ddp.register_comm_hook(state, powerSGD_hook)
-    try:
-        _step(ddp, None, _net_batch(CHECKPOINT_AT))
-    except Exception as exc:
-        return str(exc)
-    return "no error"
+    layouts: list[Any] = []
+    ddp.register_comm_hook(state, _recording(powerSGD_hook, layouts))
+    losses, params = [], []
+    for step in range(CHECKPOINT_AT, CHECKPOINT_STEPS):
+        losses.append(_step(ddp, optimizer, _net_batch(step)))
+        params.append(_flat_params(model))
+    return {"losses": losses, "params": params, "buckets": 1 + max(index for _, index, _ in layouts)}
 
 
 def _checkpoint_second_half(kind: str, directory: str) -> dict[str, Any]:
@@ -462,7 +512,7 @@ def _error_feedback_gap(kind: str, use_error_feedback: bool) -> dict[str, Any]:
         gaps.append(((step + 1) * true - applied).norm().item())
     result = {"gaps": gaps, "step_norm": true.norm().item(), "total_norm": (EF_STEPS * true).norm().item()}
     if use_error_feedback:
-        mean_error = torch.cat([state.error_dict[i] for i in sorted(state.error_dict)])
+        mean_error = torch.cat([t.reshape(-1) for _, t in sorted(state.error_dict.items())])
         dist.all_reduce(mean_error)
         result["mean_error_norm"] = (mean_error / dist.get_world_size()).norm().item()
     return result
@@ -499,7 +549,8 @@ def _zero_gradients(kind: str, case: str, hook: Callable[..., Any] | None = None
         ddp.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(ddp(x), y) * (0.0 if step == ZERO_STEP else 1.0)
         loss.backward()
-        buffers = list(state.error_dict.values()) + list(state.q_memory_dict.values())
+        buffers = [*state.error_dict.values(), *state.q_memory_dict.values()]
+        buffers += [*getattr(state, "bucket_q_memory_dict", {}).values()]
         finite.append(
             all(torch.isfinite(t).all().item() for t in [*(p.grad for p in model.parameters()), *buffers])
         )
@@ -667,8 +718,8 @@ def test_checkpoint_resume_is_bit_exact(
         ours, reference = resumed_run["state"], uninterrupted["state"]
         assert ours["iter"] == reference["iter"] == CHECKPOINT_STEPS
         assert ours["stats"] == reference["stats"]
-        for name in ("error_dict", "q_memory_dict"):
-            assert sorted(ours[name]) == sorted(reference[name])
+        for name in STATE_BUFFERS:
+            assert sorted(ours[name], key=str) == sorted(reference[name], key=str), name
             assert all(np.array_equal(ours[name][i], reference[name][i]) for i in reference[name]), name
         assert np.array_equal(ours["rng"][0], reference["rng"][0]) and ours["rng"][1:] == reference["rng"][1:]
     _assert_ranks_identical([r[f"{hook_name}/{how}"]["params"] for r in _of_kind(resumed, kind)], "resumed")
@@ -676,11 +727,18 @@ def test_checkpoint_resume_is_bit_exact(
 
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("kind", KINDS)
-def test_checkpoint_for_other_buckets_is_refused(resumed: list[dict[str, Any]], kind: str) -> None:
-    for message in (r["other_buckets"] for r in _of_kind(resumed, kind)):
-        assert "the saved state of bucket 0 does not match bucket 0" in message, message
-        assert f"it was made for {Net.NUMEL} elements in 8 tensors" in message, message
-        assert "but this bucket has" in message and "Resume with the same layout" in message, message
+def test_checkpoint_resumes_in_other_buckets(
+    world2: list[dict[str, Any]], resumed: list[dict[str, Any]], kind: str
+) -> None:
+    """Error feedback is elementwise and each matrix has its own Q, so the layer-wise hook's result does not
+    depend on how matrices are grouped into buckets: two-rank sums are the same whatever the grouping."""
+    for first, second in zip(_of_kind(world2, kind), _of_kind(resumed, kind), strict=True):
+        uninterrupted, other = first["checkpoint"]["powerSGD"], second["other_buckets"]
+        assert other["buckets"] > 1, "the resumed run must bucket differently"
+        assert other["losses"] == uninterrupted["losses"][CHECKPOINT_AT:]
+        for a, b in zip(other["params"], uninterrupted["params"][CHECKPOINT_AT:], strict=True):
+            assert np.array_equal(a, b)
+    _assert_ranks_identical([r["other_buckets"]["params"] for r in _of_kind(resumed, kind)], "other buckets")
 
 
 @pytest.mark.timeout(TIMEOUT)
@@ -780,9 +838,11 @@ def _used_state() -> PowerSGDState:
     state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=5, random_seed=7)
     state.rng.randint(1_000_000_000, size=3)
     state.rng.randn()  # leaves a cached gaussian in the generator state
-    state.error_dict[0] = torch.randn(10)
-    state.q_memory_dict[0] = torch.randn(6)
-    state.bucket_layouts[0] = ((2, 5),)
+    state.error_dict["w"] = torch.randn(2, 5)
+    state.q_memory_dict["w"] = torch.randn(5, 2)
+    state.parameter_shapes["w"] = (2, 5)
+    state.bucket_q_memory_dict[("w",)] = torch.randn(8)
+    state.bucket_padding_error_dict[("w",)] = torch.randn(6)
     state.iter, state.total_numel_before_compression, state.total_numel_after_compression = 9, 100, 14
     return state
 
@@ -798,12 +858,12 @@ def test_state_round_trip(how: str) -> None:
         restored.load_state_dict(torch.load(buffer, weights_only=True))
     else:
         restored = torch.load(buffer, weights_only=False)
-    for name in ("matrix_approximation_rank", "start_powerSGD_iter", "iter", "bucket_layouts"):
+    for name in ("matrix_approximation_rank", "start_powerSGD_iter", "iter", "parameter_shapes"):
         assert getattr(restored, name) == getattr(state, name), name
     assert restored.compression_stats() == state.compression_stats()
-    for name in ("error_dict", "q_memory_dict"):
-        assert torch.equal(getattr(restored, name)[0], getattr(state, name)[0])
-        assert getattr(restored, name)[0].data_ptr() != getattr(state, name)[0].data_ptr()
+    for name, key in [("error_dict", "w"), ("q_memory_dict", "w")] + [(n, ("w",)) for n in STATE_BUFFERS[2:]]:
+        assert torch.equal(getattr(restored, name)[key], getattr(state, name)[key])
+        assert getattr(restored, name)[key].data_ptr() != getattr(state, name)[key].data_ptr()
     assert (
         restored.rng.randint(1_000_000_000, size=5).tolist()
         == state.rng.randint(1_000_000_000, size=5).tolist()
@@ -813,8 +873,8 @@ def test_state_round_trip(how: str) -> None:
 
 def test_state_is_picklable_and_load_rejects_foreign_dicts() -> None:
     state = pickle.loads(pickle.dumps(_used_state()))
-    with pytest.raises(ValueError, match=r"not a PowerSGDState state dict; missing keys \['bucket_layouts'"):
-        state.load_state_dict({k: v for k, v in _used_state().state_dict().items() if k != "bucket_layouts"})
+    with pytest.raises(ValueError, match=r"not a PowerSGDState state dict; missing keys \['parameter_shapes'"):
+        state.load_state_dict({k: v for k, v in _used_state().state_dict().items() if k != "parameter_shapes"})
 
 
 @pytest.mark.parametrize("rank", [1, 2, 4])
@@ -839,10 +899,10 @@ def test_orthogonalize_matches_torch_and_keeps_zero_columns_finite(rank: int) ->
 class FakeBucket:
     """Enough of a GradBucket for the checks a hook makes before it communicates."""
 
-    def __init__(self, shapes: list[tuple[int, ...]], index: int = 0) -> None:
-        self._shapes = shapes
+    def __init__(self, parameters: list[nn.Parameter], index: int = 0) -> None:
+        self._parameters = parameters
         self._index = index
-        self._buffer = torch.randn(sum(math.prod(shape) for shape in shapes))
+        self._buffer = torch.randn(sum(p.numel() for p in parameters))
 
     def index(self) -> int:
         return self._index
@@ -850,41 +910,77 @@ class FakeBucket:
     def buffer(self) -> torch.Tensor:
         return self._buffer
 
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self._parameters)
+
     def gradients(self) -> list[torch.Tensor]:
-        offsets = np.cumsum([0] + [math.prod(shape) for shape in self._shapes])
-        return [
-            self._buffer[o : o + math.prod(s)].view(s) for o, s in zip(offsets, self._shapes, strict=False)
-        ]
+        offsets = np.cumsum([0] + [p.numel() for p in self._parameters])
+        return [self._buffer[o : o + p.numel()].view(p.shape) for o, p in zip(offsets, self._parameters, strict=False)]
 
     def is_last(self) -> bool:
         return True
 
 
-@pytest.mark.parametrize("hook", [powerSGD_hook, batched_powerSGD_hook])
-def test_same_size_other_order_is_refused_before_communicating(hook: Callable[..., Any]) -> None:
-    """What a torch DDP resumed without find_unused_parameters meets first: the same tensors, reordered."""
-    state = _used_state()
-    state.iter = state.start_powerSGD_iter
-    state.bucket_layouts = {1: ((8,), (8, 32), (32,))}
-    bucket = FakeBucket([(32,), (8, 32), (8,)], index=1)
+def _loaded(hook: Callable[..., Any], **saved: tuple[int, ...]) -> PowerSGDState:
+    """A state loaded from a checkpoint whose error feedback was kept for parameters of ``saved`` shapes."""
+    source = PowerSGDState(None, start_powerSGD_iter=2)
+    source.iter = 5
+    for key, shape in saved.items():
+        source.error_dict[key] = torch.randn(shape)
+        source.parameter_shapes[key] = shape
+    state = PowerSGDState(None, start_powerSGD_iter=2)
+    state.load_state_dict(source.state_dict())
+    return state
+
+
+def _refused(hook: Callable[..., Any], state: PowerSGDState, bucket: FakeBucket) -> str:
     before = bucket.buffer().clone()
+    stats = state.compression_stats()
     with pytest.raises(ValueError) as raised:
         hook(state, bucket)
-    message = str(raised.value)
-    assert "the saved state of bucket 1 does not match bucket 1" in message
-    assert "made for 296 elements in 3 tensors of shapes [(8,), (8, 32), (32,)]" in message
-    assert "this bucket has 296 elements in 3 tensors of shapes [(32,), (8, 32), (8,)]" in message
-    assert torch.equal(bucket.buffer(), before) and state.iter == state.start_powerSGD_iter
+    assert torch.equal(bucket.buffer(), before) and state.compression_stats() == stats
+    return str(raised.value)
 
 
-def test_foreign_buffer_sizes_are_refused() -> None:
-    state = _used_state()  # error_dict[0] has 10 elements; no layout is recorded for bucket 2
-    state.iter = state.start_powerSGD_iter
-    state.error_dict[2] = state.error_dict.pop(0)
-    saved_error = state.error_dict[2].clone()
-    with pytest.raises(
-        ValueError, match=r"bucket 2 .* its error-feedback buffer has 10 elements, but this bucket needs 12"
-    ):
-        powerSGD_hook(state, FakeBucket([(3, 4)], index=2))
-    assert state.compression_stats() == (100 / 14, 100, 14)  # nothing counted
-    assert torch.equal(state.error_dict[2], saved_error)  # nothing added
+@pytest.mark.parametrize("hook", [powerSGD_hook, batched_powerSGD_hook])
+def test_loaded_state_for_another_model_is_refused_naming_the_parameter(hook: Callable[..., Any]) -> None:
+    model = nn.Linear(8, 4)
+    name_parameters(model)
+    bucket = FakeBucket([model.bias, model.weight])
+    message = _refused(hook, _loaded(hook, weight=(4, 6), bias=(4,)), bucket)
+    assert "PowerSGDState: the saved state of parameter 'weight' was made for shape (4, 6)" in message
+    assert "now has shape (4, 8)" in message
+
+    message = _refused(hook, _loaded(hook, weight=(4, 8), bias=(4,), extra=(3,)), bucket)
+    assert "holds parameter(s) 'extra' (1 in all), which this model's buckets do not hold" in message
+
+
+@pytest.mark.parametrize("hook", [powerSGD_hook, batched_powerSGD_hook])
+def test_loaded_state_with_keys_of_the_other_kind_is_refused(hook: Callable[..., Any]) -> None:
+    named = nn.Linear(8, 4)
+    name_parameters(named)
+    by_order = _loaded(hook, **{"0": (4,), "1": (4, 8)})
+    by_order.load_state_dict(
+        {**by_order.state_dict(), "error_dict": {0: torch.zeros(4), 1: torch.zeros(4, 8)},
+         "parameter_shapes": {0: [4], 1: [4, 8]}}
+    )
+    message = _refused(hook, by_order, FakeBucket([named.bias, named.weight]))
+    assert "keys parameters by order of first appearance (e.g. 0" in message
+    assert "this model's parameters are named (e.g. 'bias'" in message
+
+    unnamed = nn.Linear(8, 4)  # never passed to name_parameters
+    message = _refused(hook, _loaded(hook, bias=(4,), weight=(4, 8)), FakeBucket([unnamed.bias, unnamed.weight]))
+    assert "keys parameters by name (e.g. 'bias')" in message
+    assert "call gradcomm.hooks.parameter_keys.name_parameters(model)" in message
+
+
+def test_state_saved_by_older_gradcomm_is_refused() -> None:
+    old = {k: v for k, v in _used_state().state_dict().items() if k not in ("parameter_shapes", *STATE_BUFFERS)}
+    old.update(error_dict={0: torch.zeros(10)}, q_memory_dict={0: torch.zeros(6)}, bucket_layouts={0: [[2, 5]]})
+    with pytest.raises(ValueError, match=r"this state dict was saved by an older gradcomm, which kept .* per "
+                       r"bucket index.*hook_state=None\)\) and start from a new PowerSGDState"):
+        PowerSGDState(None).load_state_dict(old)
+    pickled = _used_state().__getstate__()
+    pickled["bucket_layouts"] = {0: ((2, 5),)}
+    with pytest.raises(ValueError, match="a pickled PowerSGDState was saved by an older gradcomm"):
+        PowerSGDState.__new__(PowerSGDState).__setstate__(pickled)

@@ -42,6 +42,7 @@ from gradcomm.ddp import join as uneven
 from gradcomm.ddp.agreement import broadcast_coalesced, check_same_parameters
 from gradcomm.ddp.reducer import Reducer
 from gradcomm.ddp.telemetry import CommStats
+from gradcomm.hooks import parameter_keys
 from gradcomm.hooks.contract import CommHook
 
 __all__ = ["CHECK_PARAMETERS_EVERY", "DistributedDataParallel"]
@@ -161,6 +162,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "there is nothing to synchronise; train it without DDP or unfreeze a parameter"
             )
         self.module = module
+        parameter_keys.name_parameters(module)  # hook state keyed by name resumes whatever the bucket layout
         self.process_group = process_group
         self.device = torch.device(device_ids[0]) if device_ids else None
         self.output_device = output_device

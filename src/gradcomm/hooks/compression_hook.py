@@ -14,14 +14,17 @@ communicator share its collectives, so a bucket costs one collective per communi
 its number of parameters. The future holds the bucket's averaged gradient, decompressed.
 
 Error-feedback residuals and random streams are keyed by parameter, not by bucket position, so they follow
-their parameter when DDP rebuilds its buckets after the first iteration; a parameter's key is the order in
-which the hook first sees it, the same in a resumed run, so a :meth:`CompressionState.state_dict` checkpoint
-resumes exactly.
+their parameter when DDP rebuilds its buckets after the first iteration: a parameter's key is its name where
+it is registered (gradcomm's DDP registers them; with torch's DDP call
+:func:`gradcomm.hooks.parameter_keys.name_parameters`), else the order in which the hook first sees it, the
+same in a resumed run (see :mod:`gradcomm.hooks.parameter_keys`). A :meth:`CompressionState.state_dict`
+checkpoint therefore resumes whatever the bucket layout; one whose keys do not fit the model is refused at
+the first step, naming the parameter.
 """
 
 # No ``from __future__ import annotations``: torch's DDP compares the hook's annotations with real types.
 
-from collections.abc import Hashable
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,6 +39,7 @@ from gradcomm.compression.communicators import Communicator, Message
 from gradcomm.compression.memory import Memory, NoMemory, ResidualMemory
 from gradcomm.compression.methods.identity import NoCompression
 from gradcomm.hooks.hook_state import HookState
+from gradcomm.hooks.parameter_keys import Key, ParameterKeys, SavedKeyCheck
 
 __all__ = ["CompressionState", "compressed_allreduce_hook"]
 
@@ -85,17 +89,28 @@ class CompressionState(HookState):
         self._launcher = OrderedLauncher()
         self._reset_caches()
 
-    def _reset_caches(self) -> None:
-        self._keys: dict[int, int] = {}
+    def _reset_caches(self, loaded: bool = False) -> None:
+        self._keys = ParameterKeys()
         self._compressible: dict[tuple[torch.Size, torch.dtype], bool] = {}
+        residuals = self.memory.state_dict()
+        self._check = (
+            SavedKeyCheck("CompressionState", {key: tuple(r.shape) for key, r in residuals.items()})
+            if loaded and residuals
+            else None
+        )
 
-    def keys(self, bucket: dist.GradBucket) -> list[Hashable]:
-        """One key per gradient of ``bucket``: its parameter's, or its position if no parameters are given."""
-        count = len(bucket.gradients())
-        parameters = bucket.parameters()
-        if len(parameters) != count:
-            return [f"bucket{bucket.index()}.{i}" for i in range(count)]
-        return [self._keys.setdefault(id(parameter), len(self._keys)) for parameter in parameters]
+    def keys(self, bucket: dist.GradBucket) -> Sequence[Key]:
+        """One key per gradient of ``bucket`` (see :mod:`gradcomm.hooks.parameter_keys`)."""
+        return self._keys.of(bucket)
+
+    def check_loaded(self, bucket: dist.GradBucket, keys: Sequence[Key], gradients: Sequence[torch.Tensor]) -> None:
+        """In the first iteration after loading: refuse residuals that do not fit this model's parameters."""
+        if self._check is None:
+            return
+        self._check.check_bucket(keys, (g.shape for g in gradients))
+        if bucket.is_last():
+            check, self._check = self._check, None
+            check.end_iteration()
 
     def compresses(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is compressed; depends only on its shape and dtype, hence equal on all ranks."""
@@ -123,17 +138,18 @@ class CompressionState(HookState):
         self.memory.load_state_dict(state["memory"])
         self.server_memory.load_state_dict(state["server_memory"])
         self.compressor.load_state_dict(state["compressor"])
+        self._reset_caches(loaded=True)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for cache in ("_keys", "_compressible", "_launcher"):
+        for cache in ("_keys", "_compressible", "_launcher", "_check"):
             state.pop(cache, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._launcher = OrderedLauncher()
-        self._reset_caches()
+        self._reset_caches(loaded=True)
 
 
 def compressed_allreduce_hook(
@@ -142,8 +158,10 @@ def compressed_allreduce_hook(
     """Average ``bucket``'s gradients over ``state.process_group``, compressed with ``state.compressor``."""
     world_size = comm.group_size(state.process_group)
     gradients = bucket.gradients()
+    keys = state.keys(bucket)
+    state.check_loaded(bucket, keys, gradients)
     batches: dict[Communicator, list[tuple[int, Message]]] = {}
-    for position, (key, gradient) in enumerate(zip(state.keys(bucket), gradients, strict=True)):
+    for position, (key, gradient) in enumerate(zip(keys, gradients, strict=True)):
         compressor, memory = (
             (state.compressor, state.memory) if state.compresses(gradient) else (_DENSE, _NO_MEMORY)
         )

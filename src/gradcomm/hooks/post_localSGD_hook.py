@@ -18,17 +18,18 @@ Trade-offs:
 
 Differences from ``torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook``, results unchanged:
 
-* ``subgroup=None`` with ``post_local_gradient_allreduce=True`` creates the intra-node subgroups with
-  :func:`torch.distributed.new_subgroups` in the constructor, not inside the hook, so the hook never blocks
-  on group creation. The node size is ``LOCAL_WORLD_SIZE`` (set by torchrun and
-  :func:`gradcomm.testing.run_on_ranks`), else the number of CUDA devices as torch assumes; on one machine
-  the intra-node subgroup is every rank. Every rank must construct the state, as with any group creation.
+* ``subgroup=None`` with ``post_local_gradient_allreduce=True`` means the intra-node subgroup, created with
+  :func:`torch.distributed.new_subgroups` on first use, as in torch, so the state can be built before
+  ``init_process_group`` (Lightning builds it among the Trainer's arguments). First use is the hook's first
+  call, at the very start of training on every rank (torch's waits until the first post-local step). The
+  node size is ``LOCAL_WORLD_SIZE`` (set by torchrun and :func:`gradcomm.testing.run_on_ranks`), else the
+  number of CUDA devices as torch assumes; on one machine the intra-node subgroup is every rank.
 * A subgroup of one rank skips the all-reduce (its average is the buffer itself).
 * The state is checkpointable (:class:`~gradcomm.hooks.hook_state.HookState`). Neither ``process_group``
   nor ``subgroup`` is saved: :meth:`PostLocalSGDState.load_state_dict` keeps the groups of the live state,
   which is built with the groups of the resumed run and then loaded; an unpickled state has the default
-  group and ``subgroup=None``, and creates the default intra-node subgroup at its first post-local step
-  (once, on every rank, as torch does) unless ``state.subgroup`` is assigned before.
+  group and ``subgroup=None``, and creates the intra-node subgroup on first use unless ``state.subgroup``
+  is assigned before.
 """
 
 import logging
@@ -49,20 +50,29 @@ __all__ = ["PostLocalSGDState", "post_localSGD_hook"]
 _SUBGROUP_RANKS_KEY = "_saved_subgroup_ranks"
 
 
-def _intra_node_subgroup() -> ProcessGroup:
-    """This rank's subgroup of the ranks on its machine, creating every machine's subgroup (a collective)."""
+def _ranks_per_node() -> int:
+    """The number of ranks on a machine: ``LOCAL_WORLD_SIZE``, else the number of CUDA devices."""
     local_world_size = os.environ.get("LOCAL_WORLD_SIZE")
     if local_world_size:
-        group_size = int(local_world_size)
-    elif torch.cuda.is_available():
-        group_size = torch.cuda.device_count()
-    else:
-        raise ValueError(
-            "PostLocalSGDState: subgroup=None asks for the intra-node subgroup, but the number of ranks per "
-            "node is unknown: LOCAL_WORLD_SIZE is not set (torchrun sets it) and CUDA is unavailable. Pass "
-            "subgroup=dist.new_subgroups(group_size=...)[0], or post_local_gradient_allreduce=False."
+        return int(local_world_size)
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    raise ValueError(
+        "PostLocalSGDState: subgroup=None asks for the intra-node subgroup, but the number of ranks per "
+        "node is unknown: LOCAL_WORLD_SIZE is not set (torchrun sets it) and CUDA is unavailable. Pass "
+        "subgroup=dist.new_subgroups(group_size=...)[0], or post_local_gradient_allreduce=False."
+    )
+
+
+def _intra_node_subgroup() -> ProcessGroup:
+    """This rank's subgroup of the ranks on its machine, creating every machine's subgroup (a collective)."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "PostLocalSGDState: the intra-node subgroup (subgroup=None) is created on first use, which needs "
+            "the default process group: call torch.distributed.init_process_group(...) before training"
         )
-    subgroup, _ = dist.new_subgroups(group_size=group_size)
+    subgroup, _ = dist.new_subgroups(group_size=_ranks_per_node())
+    logger.info("PostLocalSGDState: created the intra-node subgroups (%s ranks each).", _ranks_per_node())
     return subgroup
 
 
@@ -73,8 +83,9 @@ class PostLocalSGDState(HookState):
         process_group: group for the global all-reduce of the first ``start_localSGD_iter`` iterations;
             ``None`` for the default group.
         subgroup: group for the gradient all-reduce afterwards. ``None`` means the intra-node subgroup,
-            created here (every rank must construct the state) when ``post_local_gradient_allreduce`` is
-            true; it is not needed, and stays ``None``, when that is false.
+            created on the hook's first call (no process group is needed to construct the state) when
+            ``post_local_gradient_allreduce`` is true; it is not needed, and stays ``None``, when that is
+            false.
         start_localSGD_iter: number of iterations with global all-reduce; give the model averager the
             same number as ``warmup_steps``.
         post_local_gradient_allreduce: whether gradients are still averaged within ``subgroup`` after
@@ -102,8 +113,6 @@ class PostLocalSGDState(HookState):
             )
         logger.info("Local SGD will be started after %s iterations", start_localSGD_iter)
         self.process_group = process_group
-        if subgroup is None and post_local_gradient_allreduce:
-            subgroup = _intra_node_subgroup()
         self.subgroup = subgroup
         self.start_localSGD_iter = start_localSGD_iter
         self.post_local_gradient_allreduce = post_local_gradient_allreduce
@@ -119,10 +128,6 @@ class PostLocalSGDState(HookState):
     def post_local_group(self) -> ProcessGroup:
         """The subgroup for the post-local all-reduce, creating the intra-node one if none is attached."""
         if self.subgroup is None:
-            logger.warning(
-                "PostLocalSGDState: no subgroup attached (an unpickled state?); creating the intra-node "
-                "subgroups now, on every rank. Assign state.subgroup before training to avoid this."
-            )
             self.subgroup = _intra_node_subgroup()
         return self.subgroup
 
@@ -188,6 +193,8 @@ def post_localSGD_hook(state: PostLocalSGDState, bucket: dist.GradBucket) -> tor
         A future completing with the averaged bucket buffer (the buffer itself when nothing is reduced).
     """
     buffer = bucket.buffer()
+    if state.subgroup is None and state.post_local_gradient_allreduce:
+        state.post_local_group()  # on the first call, while every rank is at the same point
     if state.iter < state.start_localSGD_iter:
         state.maybe_increase_iter(bucket)
         return _allreduce_mean(state.process_group, buffer)

@@ -25,7 +25,8 @@ gradient, the same on every rank. Instead of ``n * m`` numbers a rank sends ``(n
   per rank and added to the next step's gradient, so nothing is lost, only delayed. The sum of the applied
   updates equals the sum of the true averaged gradients minus the ranks' mean current error, which stays
   bounded. It costs one gradient-sized buffer per bucket, which also holds ``gradient + error`` while the
-  bucket is compressed (torch additionally copies the whole input every step).
+  bucket is compressed (torch additionally copies the whole input every step). The error is kept per
+  parameter (views into that buffer), so it follows its parameter into whatever bucket holds it.
 * **Warm start** (``warm_start``). ``Q`` is kept from one step to the next instead of drawn afresh, so the
   single power-iteration step per training step keeps refining the same subspace. It costs the ``Q``
   matrices (``m * r`` per compressed matrix); ``P`` is recomputed every step and is not kept.
@@ -47,6 +48,11 @@ faster with many same-shaped layers, at the cost of a stacked copy of them.
 Differences from torch's implementation (otherwise the same results, bit for bit for :func:`powerSGD_hook`)
 ------------------------------------------------------------------------------------------------------------
 * Error feedback holds one gradient-sized buffer per bucket; no copy of the input is made.
+* State is keyed by parameter (its name, or its order of first appearance: see
+  :mod:`gradcomm.hooks.parameter_keys`), not by bucket index, so a checkpoint resumes whatever the bucket
+  layout of the resumed DDP (torch's DDP starts a resumed process in its initial layout). For
+  :func:`batched_powerSGD_hook` the warm-start ``Q`` (and the padding's error) belong to the bucket's
+  parameters in their order; a bucket of other parameters draws its ``Q`` afresh.
 * Columns of zeros (vanishing gradients) stay zero instead of becoming NaN when
   ``orthogonalization_epsilon`` is 0. A warm-start ``Q`` column that has become zero is drawn afresh: in
   torch's a layer whose gradient was exactly zero in one step (a branch not used yet) stays at zero, or
@@ -63,8 +69,10 @@ Differences from torch's implementation (otherwise the same results, bit for bit
   Torch's hooks wait inside gloo callbacks, which deadlocks gloo's worker threads, and launch from whichever
   thread gets there first, which pairs different collectives across ranks: on gloo they fail or hang once a
   model has several buckets, or with ``find_unused_parameters=True``.
-* The state remembers each bucket's gradient shapes and refuses, with an error naming the bucket, to apply
-  saved buffers to a bucket of another layout (torch silently adds a saved error of the same length).
+* A loaded state is checked against the model in its first compressed iteration and refused, naming the
+  parameter, when it holds a parameter of another shape or one the model's buckets do not hold, or keys of
+  the other kind (names against first-appearance order); torch silently adds a saved error of the same
+  length.
 * ``state_dict()`` holds only tensors and plain values (``torch.load(weights_only=True)`` loads it).
 """
 

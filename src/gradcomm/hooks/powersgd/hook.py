@@ -6,6 +6,7 @@ first ``start_powerSGD_iter`` iterations. The algorithm and its trade-offs are d
 :mod:`gradcomm.hooks.powerSGD_hook`.
 """
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,14 +17,18 @@ import torch.distributed as dist
 from gradcomm import comm
 from gradcomm.hooks.powersgd import kernel
 from gradcomm.hooks.powersgd.state import (
+    BucketKeys,
     Layout,
     PowerSGDState,
     add_error,
-    check_saved_state,
+    batched_q,
+    bind_error,
+    bind_q,
+    claim,
     count,
     describe,
+    end_of_bucket,
     layout_of,
-    q_buffer,
 )
 
 __all__ = ["batched_powerSGD_hook", "powerSGD_hook"]
@@ -104,6 +109,53 @@ def _plan(state: PowerSGDState, layout: Layout) -> _Plan:
     return _Plan(batches, tuple(uncompressed), before, after)
 
 
+@dataclass(frozen=True)
+class _Bound:
+    """A bucket's plan and its flat buffers, whose slices are its parameters' entries in the state."""
+
+    plan: _Plan
+    q_numel: int
+    error: torch.Tensor | None
+    q_memory: torch.Tensor | None
+    qs: list[torch.Tensor]
+
+
+def _bind(state: PowerSGDState, bucket: dist.GradBucket, keys: BucketKeys) -> tuple[_Bound, bool, bool]:
+    """Plan a bucket not seen in this layout yet and gather its parameters' buffers; also whether its error
+    and its ``Q`` start afresh. Refuses, before anything is changed, what cannot be applied to it."""
+    buffer = bucket.buffer()
+    layout = layout_of(bucket)
+    if sum(math.prod(shape) for shape in layout) != buffer.numel():
+        raise ValueError(
+            f"powerSGD_hook: bucket {bucket.index()} holds {buffer.numel()} elements but its gradients "
+            f"{describe(layout)}: the gradients must tile the bucket buffer"
+        )
+    plan = _plan(state, layout)
+    q_numel = sum(b.q_numel for b in plan.batches)
+    claim(state, keys, layout)
+    error, fresh_error = None, False
+    if state.use_error_feedback:
+        error, fresh_error = bind_error(state, keys, layout, buffer, buffer.numel())
+    q_memory, qs, fresh_q = None, [], True
+    if state.warm_start:
+        q_memory = buffer.new_empty(q_numel)
+        qs = _split_qs(plan, q_memory)
+        key_at = dict(zip(itertools.accumulate((math.prod(s) for s in layout), initial=0), keys, strict=False))
+        matrices = [
+            (key_at[offset], q[i]) for batch, q in zip(plan.batches, qs, strict=True)
+            for i, offset in enumerate(batch.offsets)
+        ]
+        missing = bind_q(state, matrices)
+        fresh_q = len(missing) == len(matrices)
+        if missing and not fresh_q:
+            kernel.fill_random(missing, state.rng)
+    return _Bound(plan, q_numel, error, q_memory, qs), fresh_error, fresh_q
+
+
+def _split_qs(plan: _Plan, q_memory: torch.Tensor) -> list[torch.Tensor]:
+    return kernel.split(q_memory, [(len(b.offsets), b.cols, b.rank) for b in plan.batches])
+
+
 def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket's gradients, each matrix compressed to rank ``state.matrix_approximation_rank``.
 
@@ -116,27 +168,27 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
         >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
         >>> ddp_model.register_comm_hook(state, powerSGD_hook)
     """
+    keys = state._keys.of(bucket)  # from the first iteration on: the order of first appearance is the key
     if state.iter < state.start_powerSGD_iter:
         return _allreduce_mean(state, bucket)
 
     buffer = bucket.buffer()
-    index = bucket.index()
-    layout = layout_of(bucket)
-    if sum(math.prod(shape) for shape in layout) != buffer.numel():
-        raise ValueError(
-            f"powerSGD_hook: bucket {index} holds {buffer.numel()} elements but its gradients "
-            f"{describe(layout)}: the gradients must tile the bucket buffer"
-        )
-    plan = _plan(state, layout)
-    q_numel = sum(b.q_numel for b in plan.batches)
-    check_saved_state(state, index, layout, buffer.numel(), q_numel)
+    bound, fresh_error, fresh = state._buckets.get(keys), False, False
+    if bound is None:
+        bound, fresh_error, fresh = _bind(state, bucket, keys)
+        state._buckets[keys] = bound
+    end_of_bucket(state, bucket)
+    plan = bound.plan
     count(state, bucket, plan.numel_before, plan.numel_after)
 
-    source = add_error(state, index, layout, buffer, buffer.numel()) if state.use_error_feedback else buffer
-    q_memory, fresh = q_buffer(state, index, layout, q_numel, buffer)
+    source = add_error(bound.error, buffer, fresh_error) if bound.error is not None else buffer
+    if bound.q_memory is not None:
+        q_memory, qs = bound.q_memory, bound.qs
+    else:
+        q_memory, fresh = buffer.new_empty(bound.q_numel), True
+        qs = _split_qs(plan, q_memory)
     p_memory = buffer.new_empty(sum(b.p_numel for b in plan.batches))
     ps = kernel.split(p_memory, [(len(b.offsets), b.rows, b.rank) for b in plan.batches])
-    qs = kernel.split(q_memory, [(len(b.offsets), b.cols, b.rank) for b in plan.batches])
     matrices = [batch.matrices(source) for batch in plan.batches]
 
     kernel.prepare_qs(qs, q_memory, fresh, state.rng, state.orthogonalization_epsilon)
@@ -168,7 +220,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
             batch.decompress(p, q, m, buffer)
         if uncompressed is not None:
             kernel.scatter(uncompressed.div_(world_size), plan.uncompressed, buffer)
-        if state.use_error_feedback:
+        if bound.error is not None:
             source.sub_(buffer)
         return buffer
 
@@ -178,18 +230,50 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
 
 
 
-def _square_matrix(
-    state: PowerSGDState, index: int, layout: Layout, buffer: torch.Tensor, side: int
-) -> torch.Tensor:
-    """The bucket (plus error) zero-padded to ``side x side``: the error buffer, the bucket itself, or a copy."""
+@dataclass(frozen=True)
+class _SquareBound:
+    """A bucket's square matrix: its side and rank, its flat error buffer (``side x side``: the parameters'
+    errors, then the padding's) and its warm-start ``Q``."""
+
+    side: int
+    rank: int
+    error: torch.Tensor | None
+    q_memory: torch.Tensor | None
+
+
+def _bind_square(
+    state: PowerSGDState, bucket: dist.GradBucket, keys: BucketKeys
+) -> tuple[_SquareBound, bool, bool]:
+    """As :func:`_bind` for :func:`batched_powerSGD_hook`; the padding's error and ``Q`` are the bucket's."""
+    buffer = bucket.buffer()
+    layout = layout_of(bucket)
+    length = buffer.numel()
+    side = kernel.square_side(length)
+    rank = min(state.matrix_approximation_rank, side)
+    claim(state, keys, layout)
+    error, fresh_error = None, False
     if state.use_error_feedback:
-        return add_error(state, index, layout, buffer, side * side).view(side, side)
+        error, fresh_error = bind_error(state, keys, layout, buffer, side * side)
+        padding = state.bucket_padding_error_dict.get(keys)
+        if padding is not None and padding.numel() == side * side - length and not fresh_error:
+            error[length:].copy_(padding)
+        state.bucket_padding_error_dict[keys] = error[length:]
+    q_memory, fresh_q = None, True
+    if state.warm_start:
+        q_memory, fresh_q = batched_q(state, keys, side * rank, buffer)
+    return _SquareBound(side, rank, error, q_memory), fresh_error, fresh_q
+
+
+def _square_matrix(bound: _SquareBound, buffer: torch.Tensor, fresh_error: bool) -> torch.Tensor:
+    """The bucket (plus error) zero-padded to ``side x side``: the error buffer, the bucket itself, or a copy."""
+    side = bound.side
+    if bound.error is not None:
+        return add_error(bound.error, buffer, fresh_error).view(side, side)
     if buffer.numel() == side * side:
         return buffer.view(side, side)
     padded = buffer.new_zeros(side * side)
     padded[: buffer.numel()].copy_(buffer)
     return padded.view(side, side)
-
 
 
 def batched_powerSGD_hook(
@@ -206,20 +290,24 @@ def batched_powerSGD_hook(
         >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
         >>> ddp_model.register_comm_hook(state, batched_powerSGD_hook)
     """
+    keys = state._keys.of(bucket)
     if state.iter < state.start_powerSGD_iter:
         return _allreduce_mean(state, bucket)
 
     buffer = bucket.buffer()
-    index = bucket.index()
-    layout = layout_of(bucket)
-    length = buffer.numel()
-    side = kernel.square_side(length)
-    rank = min(state.matrix_approximation_rank, side)
-    check_saved_state(state, index, layout, side * side, side * rank)
+    bound, fresh_error, fresh = state._buckets.get(keys), False, False
+    if bound is None:
+        bound, fresh_error, fresh = _bind_square(state, bucket, keys)
+        state._buckets[keys] = bound
+    end_of_bucket(state, bucket)
+    length, side, rank = buffer.numel(), bound.side, bound.rank
     count(state, bucket, length, 2 * side * rank)
 
-    matrix = _square_matrix(state, index, layout, buffer, side)
-    q_memory, fresh = q_buffer(state, index, layout, side * rank, buffer)
+    matrix = _square_matrix(bound, buffer, fresh_error)
+    if bound.q_memory is not None:
+        q_memory = bound.q_memory
+    else:
+        q_memory, fresh = buffer.new_empty(side * rank), True
     q = q_memory.view(side, rank)
     kernel.prepare_qs([q.unsqueeze(0)], q_memory, fresh, state.rng, state.orthogonalization_epsilon)
     p = torch.matmul(matrix, q)
@@ -234,7 +322,7 @@ def batched_powerSGD_hook(
     def decompress(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         fut.value()
         q.div_(world_size)
-        if state.use_error_feedback:
+        if bound.error is not None:
             kernel.decompress_with_error(p, q, buffer, matrix, side)
         else:
             torch.matmul(p, q.t(), out=matrix)

@@ -1,8 +1,13 @@
-"""PowerSGD's state: hyperparameters, per-bucket buffers (error feedback, warm-start ``Q``) and checkpointing.
+"""PowerSGD's state: hyperparameters, per-parameter buffers (error feedback, warm-start ``Q``), checkpointing.
 
-Buffers are kept per bucket, with the gradient shapes they were made for (``bucket_layouts``), and refused
-with an error naming the bucket when applied to a bucket of another layout. The state also owns the
-:class:`~gradcomm.comm.launcher.OrderedLauncher` that orders its hooks' collectives.
+Buffers are keyed by parameter (:mod:`gradcomm.hooks.parameter_keys`), not by bucket, so a saved state
+resumes whatever bucket layout the resumed DDP has: torch's DDP starts every process in its initial layout
+and rebuilds it after the first iteration, gradcomm's restores the saved layout. At run time a bucket's
+buffers are one flat tensor per bucket (what the kernel reads and writes, with no copy per step) and the
+per-parameter entries are views into it; when a parameter first appears in a bucket of another layout, its
+entries are gathered into that bucket's flat tensor, once.
+
+The state also owns the :class:`~gradcomm.comm.launcher.OrderedLauncher` that orders its hooks' collectives.
 """
 
 import logging
@@ -16,22 +21,15 @@ from torch.distributed import ProcessGroup
 
 from gradcomm.comm.launcher import OrderedLauncher
 from gradcomm.hooks.hook_state import HookState
+from gradcomm.hooks.parameter_keys import Key, ParameterKeys, SavedKeyCheck
 
-__all__ = [
-    "Layout",
-    "PowerSGDState",
-    "add_error",
-    "check_saved_state",
-    "count",
-    "describe",
-    "layout_of",
-    "q_buffer",
-]
+__all__ = ["BucketKeys", "Layout", "PowerSGDState", "count", "describe", "layout_of"]
 
 logger = logging.getLogger("gradcomm.hooks.powerSGD_hook")
 
 Shape = tuple[int, ...]
 Layout = tuple[Shape, ...]
+BucketKeys = tuple[Key, ...]
 
 _HYPERPARAMETERS = (
     "matrix_approximation_rank",
@@ -44,7 +42,8 @@ _HYPERPARAMETERS = (
     "batch_tensors_with_same_shape",
 )
 _COUNTERS = ("iter", "total_numel_before_compression", "total_numel_after_compression", "next_stats_report")
-_BUFFERS = ("error_dict", "q_memory_dict")
+_BUFFERS = ("error_dict", "q_memory_dict", "parameter_shapes")
+_BUCKET_BUFFERS = ("bucket_q_memory_dict", "bucket_padding_error_dict")
 
 
 class PowerSGDState(HookState):
@@ -65,9 +64,14 @@ class PowerSGDState(HookState):
         compression_stats_logging_frequency: log :meth:`compression_stats` every this many iterations.
         batch_tensors_with_same_shape: compress same-shaped matrices of a bucket in one batched product.
 
-    Per-bucket state, keyed by bucket index: ``error_dict`` (each rank's compression error, one flat tensor
-    per bucket), ``q_memory_dict`` (the warm-start ``Q`` matrices, one flat tensor per bucket) and
-    ``bucket_layouts`` (the gradient shapes the buffers were made for).
+    State kept between steps, keyed by parameter (its name, or its order of first appearance; see
+    :mod:`gradcomm.hooks.parameter_keys`): ``error_dict`` (each rank's compression error, shaped like the
+    parameter), ``q_memory_dict`` (:func:`powerSGD_hook`'s warm-start ``Q``, ``cols x rank`` per compressed
+    matrix) and ``parameter_shapes``. :func:`batched_powerSGD_hook` compresses a bucket as one square
+    matrix, so its ``Q`` and the error of the matrix's zero padding belong to the bucket's parameters in
+    their order: ``bucket_q_memory_dict`` and ``bucket_padding_error_dict`` are keyed by the tuple of the
+    bucket's parameter keys, reused only by a bucket of the same parameters in the same order; another
+    bucket starts with a fresh random ``Q``, as at the first compressed iteration.
     """
 
     def __init__(
@@ -134,19 +138,35 @@ class PowerSGDState(HookState):
         self.compression_stats_logging_frequency = max(1, compression_stats_logging_frequency)
         self.batch_tensors_with_same_shape = batch_tensors_with_same_shape
         self.rng = np.random.RandomState(random_seed)
-        self.error_dict: dict[int, torch.Tensor] = {}
-        self.q_memory_dict: dict[int, torch.Tensor] = {}
-        self.bucket_layouts: dict[int, Layout] = {}
+        self.error_dict: dict[Key, torch.Tensor] = {}
+        self.q_memory_dict: dict[Key, torch.Tensor] = {}
+        self.parameter_shapes: dict[Key, Shape] = {}
+        self.bucket_q_memory_dict: dict[BucketKeys, torch.Tensor] = {}
+        self.bucket_padding_error_dict: dict[BucketKeys, torch.Tensor] = {}
         self.iter = 0
         self.total_numel_before_compression = 0
         self.total_numel_after_compression = 0
         self.next_stats_report = 0
         self._launcher = OrderedLauncher()
+        self._reset_runtime(check=False)
         logger.info(
             "PowerSGD config: %s; random_seed = %s",
             "; ".join(f"{name} = {getattr(self, name)}" for name in _HYPERPARAMETERS),
             random_seed,
         )
+
+    def _reset_runtime(self, check: bool) -> None:
+        """Forget what belongs to this process (keys, bound buffers); ``check`` the next buckets against the
+        saved parameter shapes, for a state just loaded."""
+        self._keys = ParameterKeys()
+        self._buckets: dict[BucketKeys, Any] = {}
+        self._owner: dict[Key, BucketKeys] = {}
+        self._reinit_logged = False
+        self._check = SavedKeyCheck("PowerSGDState", self.parameter_shapes) if check else None
+
+    def keys(self, bucket: dist.GradBucket) -> BucketKeys:
+        """The keys of ``bucket``'s parameters in this state (see :mod:`gradcomm.hooks.parameter_keys`)."""
+        return self._keys.of(bucket)
 
     def compression_stats(self) -> tuple[float, int, int]:
         """``(compress_rate, numel_before_compression, numel_after_compression)`` since compression started.
@@ -167,19 +187,28 @@ class PowerSGDState(HookState):
     # -- checkpointing ------------------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        del state["_launcher"]
+        for runtime in ("_launcher", "_keys", "_buckets", "_owner", "_reinit_logged", "_check"):
+            state.pop(runtime, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "bucket_layouts" in state:
+            raise ValueError(_older_gradcomm("a pickled PowerSGDState"))
         self._launcher = OrderedLauncher()
         super().__setstate__(state)
+        self._reset_runtime(check=True)
 
     def _plain_state(self) -> dict[str, Any]:
         _, keys, pos, has_gauss, cached_gaussian = self.rng.get_state()
         return {
             **{name: getattr(self, name) for name in _HYPERPARAMETERS + _COUNTERS},
-            **{name: dict(getattr(self, name)) for name in _BUFFERS},
-            "bucket_layouts": {index: _plain_layout(layout) for index, layout in self.bucket_layouts.items()},
+            "error_dict": dict(self.error_dict),
+            "q_memory_dict": dict(self.q_memory_dict),
+            "parameter_shapes": {key: list(shape) for key, shape in self.parameter_shapes.items()},
+            **{
+                name: [{"keys": list(keys), "tensor": tensor} for keys, tensor in getattr(self, name).items()]
+                for name in _BUCKET_BUFFERS
+            },
             "rng_state": {
                 "keys": torch.from_numpy(keys.astype(np.int64)),
                 "pos": int(pos),
@@ -189,7 +218,9 @@ class PowerSGDState(HookState):
         }
 
     def _restore_plain_state(self, state: dict[str, Any]) -> None:
-        expected = set(_HYPERPARAMETERS + _COUNTERS + _BUFFERS) | {"bucket_layouts", "rng_state"}
+        if "bucket_layouts" in state:
+            raise ValueError(_older_gradcomm("PowerSGDState.load_state_dict: this state dict"))
+        expected = set(_HYPERPARAMETERS + _COUNTERS + _BUFFERS + _BUCKET_BUFFERS) | {"rng_state"}
         if set(state) != expected:
             raise ValueError(
                 "PowerSGDState.load_state_dict: not a PowerSGDState state dict; "
@@ -206,12 +237,13 @@ class PowerSGDState(HookState):
             )
         for name in _HYPERPARAMETERS + _COUNTERS:
             setattr(self, name, state[name])
-        for name in _BUFFERS:
-            setattr(self, name, {int(index): tensor.clone() for index, tensor in state[name].items()})
-        self.bucket_layouts = {
-            int(index): tuple(tuple(int(d) for d in shape) for shape in layout)
-            for index, layout in state["bucket_layouts"].items()
+        self.error_dict = {key: tensor.clone() for key, tensor in state["error_dict"].items()}
+        self.q_memory_dict = {key: tensor.clone() for key, tensor in state["q_memory_dict"].items()}
+        self.parameter_shapes = {
+            key: tuple(int(d) for d in shape) for key, shape in state["parameter_shapes"].items()
         }
+        for name in _BUCKET_BUFFERS:
+            setattr(self, name, {tuple(entry["keys"]): entry["tensor"].clone() for entry in state[name]})
         rng_state = state["rng_state"]
         self.rng = np.random.RandomState()
         self.rng.set_state(
@@ -223,12 +255,19 @@ class PowerSGDState(HookState):
                 rng_state["cached_gaussian"],
             )
         )
+        self._reset_runtime(check=True)
 
 
-def _plain_layout(layout: Layout) -> list[list[int]]:
-    return [list(shape) for shape in layout]
+def _older_gradcomm(what: str) -> str:
+    return (
+        f"{what} was saved by an older gradcomm, which kept PowerSGD's error feedback and warm-start Q per "
+        "bucket index (it has 'bucket_layouts'); this version keeps them per parameter, so that a state "
+        "resumes whatever the bucket layout. Resume it with the gradcomm version that saved it, or load only "
+        "the model and optimizer (load_checkpoint(..., hook_state=None)) and start from a new PowerSGDState."
+    )
 
-# -- per-bucket buffers --------------------------------------------------------------------------------------
+
+# -- per-bucket views of the per-parameter buffers ----------------------------------------------------------
 def layout_of(bucket: dist.GradBucket) -> Layout:
     return tuple(tuple(grad.shape) for grad in bucket.gradients())
 
@@ -239,81 +278,108 @@ def describe(layout: Layout, limit: int = 6) -> str:
     return f"{numel} elements in {len(layout)} tensors of shapes [{shapes}]"
 
 
-def _layout_error(index: int, detail: str) -> ValueError:
-    return ValueError(
-        f"PowerSGDState: the saved state of bucket {index} does not match bucket {index} of this model: "
-        f"{detail}. The state comes from another model or bucket layout (bucket_cap_mb, parameter order). "
-        "With the same model, DDP's first iteration in a process may bucket differently from later ones "
-        "(torch's DDP starts with one bucket in registration order and rebuilds it after that iteration, "
-        "unless find_unused_parameters=True). Resume with the same layout, or start from a new PowerSGDState."
-    )
+def claim(state: PowerSGDState, keys: BucketKeys, layout: Layout) -> None:
+    """Check a bucket's parameters against a loaded state, and make them this bucket's from now on.
+
+    A bucket whose parameters were held by another bucket (before DDP rebuilt its buckets, or in the saved
+    run) takes their entries over; that other bucket's binding is dropped and would be bound again.
+    """
+    if state._check is not None:
+        state._check.check_bucket(keys, layout)
+    for key, shape in zip(keys, layout, strict=True):
+        previous = state._owner.get(key)
+        if previous is not None and previous != keys:
+            state._buckets.pop(previous, None)
+        state._owner[key] = keys
+        state.parameter_shapes[key] = shape
 
 
-def check_saved_state(
-    state: PowerSGDState, index: int, layout: Layout, error_numel: int, q_numel: int
-) -> None:
-    """Refuse saved buffers that were not made for this bucket, before anything is changed."""
-    saved = state.bucket_layouts.get(index)
-    if saved is not None and saved != layout:
-        raise _layout_error(
-            index, f"it was made for {describe(saved)}, but this bucket has {describe(layout)}"
-        )
-    expected = [("error-feedback buffer", state.error_dict, error_numel, state.use_error_feedback)]
-    expected.append(("warm-start Q memory", state.q_memory_dict, q_numel, state.warm_start))
-    for what, buffers, numel, used in expected:
-        tensor = buffers.get(index)
-        if used and tensor is not None and tensor.numel() != numel:
-            raise _layout_error(
-                index, f"its {what} has {tensor.numel()} elements, but this bucket needs {numel}"
-            )
+def end_of_bucket(state: PowerSGDState, bucket: dist.GradBucket) -> None:
+    """After a compressed bucket: once a loaded state has met a whole iteration, refuse what no bucket held."""
+    if state._check is not None and bucket.is_last():
+        check, state._check = state._check, None
+        check.end_iteration()
 
 
-def _stored(buffers: dict[int, torch.Tensor], index: int, like: torch.Tensor) -> torch.Tensor | None:
-    """The bucket's saved buffer, moved to the gradients' device if it was loaded elsewhere."""
-    tensor = buffers.get(index)
-    if tensor is not None and tensor.device != like.device:
-        tensor = buffers[index] = tensor.to(like.device)
-    return tensor
+def bind_error(
+    state: PowerSGDState, keys: BucketKeys, layout: Layout, like: torch.Tensor, length: int
+) -> tuple[torch.Tensor, bool]:
+    """The bucket's flat error buffer of ``length`` elements (zero-padded past the gradients), gathered from the
+    parameters' saved errors, and whether none was saved (the buffer is then filled by the first step).
+
+    ``error_dict`` then holds views into it, one per parameter.
+    """
+    flat = like.new_zeros(length)
+    offset, found = 0, False
+    for key, shape in zip(keys, layout, strict=True):
+        numel = math.prod(shape)
+        view = flat[offset : offset + numel].view(shape)
+        saved = state.error_dict.get(key)
+        if saved is not None:
+            view.copy_(saved.reshape(shape))
+            found = True
+        state.error_dict[key] = view
+        offset += numel
+    if not found:
+        logger.info("A zero tensor of length %s that represents local error is created.", length)
+    return flat, not found
 
 
-def _remember_layout(state: PowerSGDState, index: int, layout: Layout) -> None:
-    state.bucket_layouts.setdefault(index, layout)
-
-
-def add_error(
-    state: PowerSGDState, index: int, layout: Layout, buffer: torch.Tensor, length: int
-) -> torch.Tensor:
-    """The bucket's error buffer (``length`` elements, zero-padded past the buffer), now holding gradient + error.
+def add_error(error: torch.Tensor, buffer: torch.Tensor, fresh: bool) -> torch.Tensor:
+    """``error`` (the bucket's flat error buffer) now holding gradient + error; returned.
 
     The sum is built in the error buffer, not the bucket: the compressed parts are read from it and the new
     error is computed in it by subtracting the decompressed result, with no copy of the input.
     """
-    error = _stored(state.error_dict, index, buffer)
-    if error is None:
-        error = buffer.new_zeros(length)
+    if fresh:
         error[: buffer.numel()].copy_(buffer)
-        state.error_dict[index] = error
-        _remember_layout(state, index, layout)
-        logger.info("A zero tensor of length %s that represents local error is created.", length)
     else:
         error[: buffer.numel()].add_(buffer)
     return error
 
 
-def q_buffer(
-    state: PowerSGDState, index: int, layout: Layout, numel: int, like: torch.Tensor
-) -> tuple[torch.Tensor, bool]:
-    """Flat memory for the bucket's ``Q`` matrices, and whether it must be filled with random values."""
-    if state.warm_start:
-        memory = _stored(state.q_memory_dict, index, like)
-        if memory is not None:
-            return memory, False
-    memory = like.new_empty(numel)
-    if state.warm_start:
-        state.q_memory_dict[index] = memory
-        _remember_layout(state, index, layout)
+def bind_q(
+    state: PowerSGDState, matrices: list[tuple[Key, torch.Tensor]]
+) -> list[torch.Tensor]:
+    """Point ``q_memory_dict`` at this bucket's ``Q`` views (``(key, cols x rank view)`` per compressed matrix),
+    filled from the saved ones; returns the views that had none saved (to be drawn at random)."""
+    missing = []
+    for key, view in matrices:
+        saved = state.q_memory_dict.get(key)
+        if saved is not None and saved.shape == view.shape:
+            view.copy_(saved)
+        else:
+            missing.append(view)
+        state.q_memory_dict[key] = view
+    if matrices and len(missing) == len(matrices):
+        logger.info("Allocating contiguous memory of length %s for Qs.", sum(v.numel() for _, v in matrices))
+    return missing
+
+
+def batched_q(state: PowerSGDState, keys: BucketKeys, numel: int, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``batched_powerSGD_hook``'s warm-start ``Q`` for the bucket of ``keys``: the one kept for these
+    parameters in this order, or a new one (to be drawn at random), and whether it is new."""
+    saved = state.bucket_q_memory_dict.get(keys)
+    if saved is not None and saved.numel() == numel:
+        if saved.device != like.device or saved.dtype != like.dtype:
+            saved = state.bucket_q_memory_dict[keys] = saved.to(like.device, like.dtype)
+        return saved, False
+    if state.bucket_q_memory_dict and not state._reinit_logged:
+        state._reinit_logged = True
+        logger.info(
+            "batched_powerSGD_hook: a bucket holds parameters (%s) in a combination or order no warm-start Q "
+            "was kept for (DDP buckets differently than when the state was saved); its Q starts afresh, as "
+            "at the first compressed iteration. Error feedback is kept per parameter and carries over.",
+            describe_keys(keys),
+        )
+    else:
         logger.info("Allocating contiguous memory of length %s for Qs.", numel)
+    memory = state.bucket_q_memory_dict[keys] = like.new_empty(numel)
     return memory, True
+
+
+def describe_keys(keys: BucketKeys, limit: int = 4) -> str:
+    return ", ".join(repr(key) for key in keys[:limit]) + (f", ... {len(keys)} in all" if len(keys) > limit else "")
 
 
 # -- statistics and iterations -------------------------------------------------------------------------------
@@ -330,4 +396,3 @@ def count(state: PowerSGDState, bucket: dist.GradBucket, before: int, after: int
             rate,
         )
         state.next_stats_report = state.iter + state.compression_stats_logging_frequency
-

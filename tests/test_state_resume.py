@@ -1,0 +1,199 @@
+"""Hook state resumes whatever the bucket layout, on torch's DDP and on gradcomm's.
+
+Torch's DDP starts every process with its initial buckets (reverse registration order) and rebuilds them
+after the first iteration, in gradient-ready order; it cannot restore a saved layout. The model here
+registers its head before its body but uses the body first, so the rebuilt buckets differ from the initial
+ones: a run resumed on a fresh torch DDP has its first iteration in another layout than the saved run had.
+Hook state is keyed by parameter, so the resume is accepted:
+
+* layer-wise PowerSGD and top-k with error feedback compress each parameter on its own and keep their state
+  per parameter; on two ranks a sum does not depend on how tensors are grouped into buckets, so the resumed
+  run is bit-identical to the uninterrupted one;
+* batched PowerSGD compresses a whole bucket as one matrix: in the resumed process's first iteration the
+  buckets hold other parameters than any kept ``Q`` was made for, so their ``Q`` is drawn afresh (from the
+  same generator, which then shifts every later draw) and the approximation differs. The resume is accepted,
+  the replicas stay identical and finite, and the run stays close to the uninterrupted one.
+
+On gradcomm's DDP, ``gradcomm.save_checkpoint``/``load_checkpoint`` restore the rebuilt layout, and runs
+resume bit for bit for both hooks. A state saved on gradcomm's DDP (keyed by parameter name) also resumes on
+torch's DDP once ``name_parameters(model)`` is called.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradcomm
+from gradcomm.compression import TopK
+from gradcomm.ddp.checkpoint import load_checkpoint, save_checkpoint
+from gradcomm.hooks.compression_hook import CompressionState, compressed_allreduce_hook
+from gradcomm.hooks.parameter_keys import name_parameters
+from gradcomm.hooks.powerSGD_hook import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
+from gradcomm.testing import run_on_ranks
+from tests.ddp_kinds import make_ddp
+
+STEPS, STOP = 9, 5
+CAP_MB = 0.004
+METHODS = ("powersgd_rank1", "powersgd_rank2", "batched", "topk")
+
+
+class HeadFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(32, 4)
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def _hook(method: str) -> tuple[Any, Any]:
+    if method == "topk":
+        return CompressionState(TopK(ratio=0.1), error_feedback=True, min_numel=64), compressed_allreduce_hook
+    rank = 2 if method == "powersgd_rank2" else 1
+    state = PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=2, min_compression_rate=0.5)
+    return state, batched_powerSGD_hook if method == "batched" else powerSGD_hook
+
+
+def _setup(kind: str, method: str) -> tuple[nn.Module, Any, torch.optim.Optimizer, Any]:
+    torch.manual_seed(0)
+    model = HeadFirst()
+    ddp = make_ddp(kind, model, bucket_cap_mb=CAP_MB)
+    state, hook = _hook(method)
+    ddp.register_comm_hook(state, hook)
+    return model, ddp, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), state
+
+
+def _steps(ddp: Any, optimizer: torch.optim.Optimizer, steps: range, model: nn.Module) -> dict[str, Any]:
+    losses, params = [], []
+    for step in steps:
+        g = torch.Generator().manual_seed(100 * dist.get_rank() + step)
+        loss = nn.functional.mse_loss(ddp(torch.randn(8, 16, generator=g)), torch.randn(8, 4, generator=g))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy())
+    return {"losses": losses, "params": params}
+
+
+def _on_torch(method: str, directory: str) -> dict[str, Any]:
+    """Uninterrupted, then saved at STOP and resumed on a fresh torch DDP (torch.save of state dicts)."""
+    model, ddp, optimizer, _ = _setup("torch", method)
+    full = _steps(ddp, optimizer, range(STEPS), model)
+    model, ddp, optimizer, state = _setup("torch", method)
+    _steps(ddp, optimizer, range(STOP), model)
+    path = os.path.join(directory, f"torch-{method}-rank{dist.get_rank()}.pt")
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "hook": state.state_dict()}, path)
+
+    checkpoint = torch.load(path, weights_only=True)
+    torch.manual_seed(1)
+    model = HeadFirst()
+    model.load_state_dict(checkpoint["model"])
+    ddp = make_ddp("torch", model, bucket_cap_mb=CAP_MB)
+    state, hook = _hook(method)
+    state.load_state_dict(checkpoint["hook"])
+    ddp.register_comm_hook(state, hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    return {"full": full, "resumed": _steps(ddp, optimizer, range(STOP, STEPS), model)}
+
+
+def _on_gradcomm(method: str, directory: str) -> dict[str, Any]:
+    """The same through gradcomm.save_checkpoint/load_checkpoint; then that checkpoint on torch's DDP."""
+    model, ddp, optimizer, _ = _setup("gradcomm", method)
+    full = _steps(ddp, optimizer, range(STEPS), model)
+    model, ddp, optimizer, state = _setup("gradcomm", method)
+    _steps(ddp, optimizer, range(STOP), model)
+    path = os.path.join(directory, f"gradcomm-{method}")
+    save_checkpoint(path, ddp, optimizer, state, step=STOP)
+
+    model, ddp, optimizer, state = _setup("gradcomm", method)
+    load_checkpoint(path, ddp, optimizer, state)
+    resumed = _steps(ddp, optimizer, range(STOP, STEPS), model)
+
+    torch.manual_seed(1)
+    model = HeadFirst()
+    name_parameters(model)
+    checkpoint = torch.load(
+        os.path.join(path, f"rank{dist.get_rank()}-{_manifest_id(path)}.pt"), weights_only=True
+    )
+    model.load_state_dict({k.removeprefix("module."): v for k, v in checkpoint["model"].items()})
+    ddp = make_ddp("torch", model, bucket_cap_mb=CAP_MB)
+    state, hook = _hook(method)
+    state.load_state_dict(checkpoint["hook_state"])
+    ddp.register_comm_hook(state, hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    on_torch = _steps(ddp, optimizer, range(STOP, STEPS), model)
+    return {"full": full, "resumed": resumed, "on_torch": on_torch}
+
+
+def _manifest_id(path: str) -> str:
+    import json
+
+    with open(os.path.join(path, "manifest.json")) as file:
+        return json.load(file)["id"]
+
+
+def main(directory: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return {
+        "torch": {method: _on_torch(method, directory) for method in METHODS},
+        "gradcomm": {method: _on_gradcomm(method, directory) for method in ("powersgd_rank2", "batched")},
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_on_ranks(main, 2, args=(str(tmp_path_factory.mktemp("state_resume")),), timeout=200)
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a["losses"] == b["losses"] and all(np.array_equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
+
+
+def _tail(run: dict[str, Any]) -> dict[str, Any]:
+    return {name: values[STOP:] for name, values in run.items()}
+
+
+def _check_replicas(runs: list[dict[str, Any]], pick: Any) -> None:
+    for step, (a, b) in enumerate(zip(pick(runs[0])["params"], pick(runs[1])["params"], strict=True)):
+        assert np.array_equal(a, b), f"ranks differ after resumed step {STOP + step}"
+        assert np.isfinite(a).all()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("method", METHODS)
+def test_resume_on_a_fresh_torch_ddp_is_accepted(runs: list[dict[str, Any]], method: str) -> None:
+    _check_replicas(runs, lambda r: r["torch"][method]["resumed"])
+    for rank in range(2):
+        result = runs[rank]["torch"][method]
+        if method == "batched":
+            full, resumed = _tail(result["full"]), result["resumed"]
+            np.testing.assert_allclose(resumed["params"][-1], full["params"][-1], rtol=0, atol=0.05)
+            np.testing.assert_allclose(resumed["losses"], full["losses"], rtol=0.2)
+        else:
+            assert _same(result["resumed"], _tail(result["full"])), f"rank {rank}: {method} differs after resume"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("method", ["powersgd_rank2", "batched"])
+def test_gradcomm_checkpoint_resumes_bit_for_bit_and_loads_on_torch_ddp(
+    runs: list[dict[str, Any]], method: str
+) -> None:
+    _check_replicas(runs, lambda r: r["gradcomm"][method]["on_torch"])
+    for rank in range(2):
+        result = runs[rank]["gradcomm"][method]
+        assert _same(result["resumed"], _tail(result["full"])), f"rank {rank}: {method} differs after resume"
+        if method == "powersgd_rank2":  # layer-wise: torch's DDP's other first layout changes nothing
+            assert _same(result["on_torch"], _tail(result["full"])), f"rank {rank}: differs on torch's DDP"
+        else:
+            np.testing.assert_allclose(result["on_torch"]["losses"], result["full"]["losses"][STOP:], rtol=0.2)
