@@ -296,12 +296,6 @@ def test_save_state_resumes_powersgd_on_gradcomm_ddp(tmp_path: Any) -> None:
     _check_resume(run_on_ranks(_resume, world_size=2, args=("gradcomm", str(tmp_path)), timeout=160))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch's DDP rebuilds its buckets after the first iteration in a process, so PowerSGD's per-bucket "
-    "state no longer fits on resume; passes once PowerSGD keys its state by parameter (branch dropin-powersgd): "
-    "then remove this mark",
-)
 @pytest.mark.timeout(180)
 def test_save_state_resumes_powersgd_on_torch_ddp(tmp_path: Any) -> None:
     _check_resume(run_on_ranks(_resume, world_size=2, args=("torch", str(tmp_path)), timeout=160))
