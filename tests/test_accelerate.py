@@ -8,8 +8,9 @@ ranks already hold an initialised gloo process group and the ``RANK``/``WORLD_SI
 (a) every hook that torch's own fail with on gloo (bf16, both quantizations, batched PowerSGD; torch's
     PowerSGD too, once a model has several buckets: its callbacks launch collectives in different orders on
     different ranks), plus allreduce, fp16 and PowerSGD, trains 3 steps: gradients equal the same hook on a
-    hand-driven torch DDP bit for bit (torch's DDP without a hook for allreduce), the first step's equal the
-    exact big-batch mean within the hook's precision, and replicas end identical;
+    hand-driven DDP of the same kind bit for bit (torch's DDP without a hook for allreduce), the first
+    step's equal the exact big-batch mean within the hook's precision, ``unwrap_model`` gives the module back,
+    and replicas end identical;
 (b) ``accumulate()`` with ``gradient_accumulation_steps=2``: the hook is not called on the accumulating
     micro-batch, and the synchronised gradients equal one big-batch gradient;
 (c) ``join_uneven_inputs(even_batches=False)`` with 3 batches on rank 0 and 2 on rank 1 completes, equals a
@@ -112,8 +113,10 @@ def _train(model: nn.Module, optimizer: Any, backward: Any, steps: int) -> list[
     return grads
 
 
-def _reference_ddp(hook: Any, state: Any) -> nn.Module:
-    ddp = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.002)
+def _reference_ddp(kind: str, hook: Any, state: Any) -> nn.Module:
+    """The DDP of ``kind`` Accelerate would build, driven by hand (the bucket layouts of the two differ)."""
+    ddp_class = gradcomm.DistributedDataParallel if kind == "gradcomm" else nn.parallel.DistributedDataParallel
+    ddp = ddp_class(_model(), bucket_cap_mb=0.002)
     if hook is not None:
         ddp.register_comm_hook(state, hook)
     return ddp
@@ -128,7 +131,7 @@ def _exact_first_gradient() -> np.ndarray:
 
 
 def _hooks_train(kind: str) -> dict[str, Any]:
-    """(a): every hook under Accelerate against a hand-driven torch DDP and the exact mean."""
+    """(a): every hook under Accelerate against a hand-driven DDP and the exact mean."""
     from gradcomm.hooks.registry import make_comm_hook
 
     exact = _exact_first_gradient()
@@ -139,12 +142,13 @@ def _hooks_train(kind: str) -> dict[str, Any]:
         optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
         grads = _train(model, optimizer, accelerator.backward, STEPS)
 
-        # torch's DDP without a hook for allreduce; gradcomm's hook on a hand-driven torch DDP otherwise
+        # no hook for allreduce (DDP's own); gradcomm's hook on a hand-driven DDP otherwise
         hook, state = (None, None) if name == "allreduce" else make_comm_hook(name, **options)
-        reference = _reference_ddp(hook, state)
+        reference = _reference_ddp(kind, hook, state)
         expected = _train(reference, torch.optim.SGD(reference.parameters(), lr=0.1), lambda loss: loss.backward(), STEPS)
         out[name] = {
             "ddp": type(model).__module__,
+            "unwrapped": type(accelerator.unwrap_model(model)).__name__,
             "bitwise": all(np.array_equal(a, b) for a, b in zip(grads, expected, strict=True)),
             "to_exact": float(np.abs(grads[0] - exact).max() / np.abs(exact).max()),
             "tolerance": tolerance,
@@ -204,7 +208,7 @@ def _join(kind: str) -> dict[str, Any]:
             optimizer.step()
     from torch.distributed.algorithms.join import Join
 
-    reference = _reference_ddp(default_hooks.fp16_compress_hook, None)
+    reference = _reference_ddp(kind, default_hooks.fp16_compress_hook, None)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     with Join([reference]):
         for x, y in batches:
@@ -228,6 +232,7 @@ def _check_group(results: list[dict[str, Any]], kind: str) -> None:
     for name in HOOKS:
         per_rank = [r["hooks"][name] for r in results]
         assert per_rank[0]["ddp"].startswith("gradcomm" if kind == "gradcomm" else "torch"), per_rank[0]["ddp"]
+        assert per_rank[0]["unwrapped"] == "HeadFirst", per_rank[0]["unwrapped"]
         assert all(r["bitwise"] for r in per_rank), f"{name}: gradients differ from the hand-driven reference"
         assert all(r["to_exact"] <= r["tolerance"] for r in per_rank), (name, [r["to_exact"] for r in per_rank])
         np.testing.assert_array_equal(per_rank[0]["params"], per_rank[1]["params"], err_msg=name)
@@ -290,7 +295,6 @@ def _check_resume(results: list[dict[str, Any]]) -> None:
     np.testing.assert_array_equal(results[0]["resumed"], results[1]["resumed"])
 
 
-@needs_torch_subclass
 @pytest.mark.timeout(180)
 def test_save_state_resumes_powersgd_on_gradcomm_ddp(tmp_path: Any) -> None:
     _check_resume(run_on_ranks(_resume, world_size=2, args=("gradcomm", str(tmp_path)), timeout=160))
