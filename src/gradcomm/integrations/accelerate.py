@@ -303,6 +303,8 @@ class GradcommAccelerator(Accelerator):
         Accelerate prepares the model as for evaluation (device placement, mixed precision, ``torch.compile``
         of the module if configured), then the prepared module is wrapped in
         :class:`gradcomm.DistributedDataParallel` with the handler's DDP options and the hook is registered.
+        As for torch's DDP, the accelerator keeps the unwrapped module in its list of models, so ``save_state``
+        checkpoints are the same (no ``module.`` prefix) whichever DDP trained.
         """
         if not self._wraps_in_gradcomm(model, evaluation_mode):
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
@@ -314,7 +316,6 @@ class GradcommAccelerator(Accelerator):
         device_ids = [self.local_process_index] if self.distributed_type == DistributedType.MULTI_GPU else None
         wrapped = gradcomm.DistributedDataParallel(inner, device_ids=device_ids, **handler.to_kwargs())
         handler.register_comm_hook(wrapped)
-        self._models[:] = [wrapped if m is model or m is inner else m for m in self._models]
         wrapped._is_accelerate_prepared = True
         return wrapped
 
