@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import gradcomm
 from gradcomm.compression import TopK
 from gradcomm.ddp.checkpoint import load_checkpoint, save_checkpoint
 from gradcomm.hooks.compression_hook import CompressionState, compressed_allreduce_hook
