@@ -68,11 +68,16 @@ def hook_name(hook: Callable[..., Any]) -> str:
 
 
 def check_hook(hook: Any) -> None:
-    """Check at registration that ``hook`` can be called as ``hook(state, bucket)`` and is annotated right."""
+    """Check at registration that ``hook`` can be called as ``hook(state, bucket)`` and is annotated right.
+
+    Each message starts with the sentence torch's ``DistributedDataParallel._check_comm_hook`` raises (same
+    exception type), so code matching torch's wording matches gradcomm's, and goes on to name the hook.
+    """
     if not callable(hook):
         raise TypeError(
-            f"Communication hook must be callable as hook(state, bucket) -> torch.futures.Future; "
-            f"got {type(hook).__name__} {hook!r}"
+            f"Communication hook must be callable. Got {type(hook).__name__} {hook!r}: pass a function "
+            "hook(state, bucket) -> torch.futures.Future[torch.Tensor], such as "
+            "gradcomm.hooks.default_hooks.allreduce_hook"
         )
     name = hook_name(hook)
     try:
@@ -90,14 +95,16 @@ def check_hook(hook: Any) -> None:
     annotation = bucket_parameter.annotation
     if annotation is not inspect.Parameter.empty and not _is_bucket_type(annotation):
         raise ValueError(
-            f"Communication hook {name}: the bucket parameter {bucket_parameter.name!r} is annotated "
-            f"{_describe(annotation)}; it should be dist.GradBucket (or gradcomm.GradBucket), or unannotated"
+            f"Communication hook: bucket annotation should be dist.GradBucket. Hook {name}'s bucket parameter "
+            f"{bucket_parameter.name!r} is annotated {_describe(annotation)}: annotate it dist.GradBucket (or "
+            "gradcomm.GradBucket), or leave it unannotated"
         )
     returned = signature.return_annotation
     if returned is not inspect.Signature.empty and not _is_future_type(returned):
         raise ValueError(
-            f"Communication hook {name}: the return annotation is {_describe(returned)}; it should be "
-            "torch.futures.Future[torch.Tensor], or none"
+            "Communication hook: return annotation should be torch.futures.Future[torch.Tensor]. Hook "
+            f"{name}'s return annotation is {_describe(returned)}: annotate it torch.futures.Future[torch.Tensor], "
+            "or leave it unannotated"
         )
 
 
@@ -127,9 +134,13 @@ def call_hook(
             "the hook's traceback is chained below"
         ) from exc
     if not isinstance(future, torch._C.Future):
+        returned = type(future)
         raise CommHookTypeError(
-            f"Communication hook {hook_name(hook)} returned {type(future).__name__} on bucket "
-            f"{bucket.index()}; it must return a torch.futures.Future whose value is the bucket's tensor"
+            f"Communication hook {hook_name(hook)} returned {returned.__name__} on bucket {bucket.index()}; it must "
+            "return a torch.futures.Future whose value is the bucket's tensor. DDP communication hook's callback "
+            f"must return a torch.futures.Future object, but got {returned.__module__}.{returned.__qualname__}"
+            f"{rank_and_step(step)}. For a tensor computed at once: future = torch.futures.Future(); "
+            "future.set_result(tensor); return future"
         )
     return future
 
