@@ -42,6 +42,11 @@ CommHook = Callable[[Any, "GradBucket | dist.GradBucket"], torch.futures.Future[
 _BUCKET_TYPES = (GradBucket, dist.GradBucket)
 _BUCKET_TYPE_NAMES = ("GradBucket", "dist.GradBucket", "gradcomm.GradBucket", "torch.distributed.GradBucket")
 _FUTURE_TYPE_NAMES = ("Future", "torch.futures.Future", "Future[torch.Tensor]", "torch.futures.Future[torch.Tensor]")
+_SPARSE_HINT = (
+    "a sparse bucket: torch's DDP hands sparse gradients (nn.Embedding(sparse=True)) to hooks too, so the hook must "
+    "handle a sparse buffer, or use no hook"
+)
+"""What a hook failure on a sparse bucket says: the likely cause and what to do."""
 
 
 class CommHookError(RuntimeError):
@@ -122,16 +127,10 @@ def call_hook(
         if is_communication_failure(exc):
             raise lost_contact(exc, step, f"bucket {bucket.index()} (hook: {hook_name(hook)})", group) from exc
         buffer = bucket.buffer()
-        sparse = (
-            ", a sparse bucket: torch's DDP hands sparse gradients (nn.Embedding(sparse=True)) to hooks too, so the "
-            "hook must handle a sparse buffer, or use no hook"
-            if buffer.is_sparse
-            else ""
-        )
+        details = f"{buffer.numel()} elements" + (f", {_SPARSE_HINT}" if buffer.is_sparse else "")
         raise CommHookError(
-            f"Communication hook {hook_name(hook)} raised on bucket {bucket.index()} "
-            f"({buffer.numel()} elements{sparse}): {type(exc).__name__}: {exc}{rank_and_step(step)}; "
-            "the hook's traceback is chained below"
+            f"Communication hook {hook_name(hook)} raised on bucket {bucket.index()} ({details}): "
+            f"{type(exc).__name__}: {exc}{rank_and_step(step)}; the hook's traceback is chained below"
         ) from exc
     if not isinstance(future, torch._C.Future):
         returned = type(future)
@@ -164,8 +163,9 @@ def hook_result(
     except Exception as exc:
         if is_communication_failure(exc):
             raise lost_contact(exc, step, f"bucket {index} (hook: {name})", group) from exc
+        sparse = f" ({_SPARSE_HINT})" if expected.is_sparse else ""
         raise CommHookError(
-            f"Communication hook {name}: the future it returned for bucket {index} failed: "
+            f"Communication hook {name}: the future it returned for bucket {index}{sparse} failed: "
             f"{type(exc).__name__}: {exc}{rank_and_step(step)}"
         ) from exc
     if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], torch.Tensor):
