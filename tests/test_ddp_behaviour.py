@@ -298,17 +298,21 @@ def observed(request: pytest.FixtureRequest) -> dict[str, Any]:
 
 
 MESSAGES = {
-    "not_callable": r"TypeError: Communication hook must be callable .* got str 'allreduce'",
-    "bad_bucket_annotation": r"ValueError: Communication hook bad_bucket_annotation: the bucket parameter 'bucket' "
-    r"is annotated int; it should be dist.GradBucket",
-    "bad_return_annotation": r"ValueError: Communication hook bad_return_annotation: the return annotation is int; "
-    r"it should be torch.futures.Future\[torch.Tensor\]",
+    # Each starts with, or contains, the sentence torch's DDP raises, then names the hook and what to do.
+    "not_callable": r"TypeError: Communication hook must be callable\. Got str 'allreduce': pass a function "
+    r"hook\(state, bucket\)",
+    "bad_bucket_annotation": r"ValueError: Communication hook: bucket annotation should be dist\.GradBucket\. Hook "
+    r"bad_bucket_annotation's bucket parameter 'bucket' is annotated int: annotate it dist\.GradBucket",
+    "bad_return_annotation": r"ValueError: Communication hook: return annotation should be "
+    r"torch\.futures\.Future\[torch\.Tensor\]\. Hook bad_return_annotation's return annotation is int: annotate it",
     "one_argument": r"TypeError: Communication hook one_argument_hook: it must accept two positional arguments",
-    "twice": r"RuntimeError: register_comm_hook can only be called once: hook first_hook is already registered, "
-    r"so second_hook cannot be",
+    "twice": r"RuntimeError: register_comm_hook or register_builtin_comm_hook can only be called once\. Hook "
+    r"first_hook is already registered on this gradcomm\.DistributedDataParallel, so second_hook cannot be: "
+    r"combine them",
     "after_backward": r"RuntimeError: register_comm_hook\(first_hook\) must be called before the first backward",
     "returns_tensor": r"CommHookTypeError: Communication hook returns_tensor_hook returned Tensor on bucket 0; it must "
-    r"return a torch.futures.Future",
+    r"return a torch\.futures\.Future whose value is the bucket's tensor\. DDP communication hook's callback must "
+    r"return a torch\.futures\.Future object, but got torch\.Tensor \(rank \d, step 0\)\. For a tensor computed",
     "wrong_shape": r"CommHookResultError: Communication hook wrong_shape_hook: the future for bucket 0 holds a tensor of "
     r"shape \(3,\) and dtype torch.float32; expected shape \(\d+,\) and dtype torch.float32",
     "wrong_dtype": r"CommHookResultError: Communication hook wrong_dtype_hook: .* dtype torch.float64; expected .* dtype "
@@ -321,7 +325,8 @@ MESSAGES = {
     r"unused.weight, unused.bias\. .*find_unused_parameters=True",
     "shape_mismatch": r"ParameterMismatchError: .*ranks disagree .* Parameter #0 is weight \(4, 8\) torch.float32 on rank 0 but "
     r"weight \(5, 8\) torch.float32 on rank 1",
-    "legacy_twice": r"RuntimeError: register_comm_hook can only be called once: hook recording_hook",
+    "legacy_twice": r"RuntimeError: register_comm_hook or register_builtin_comm_hook can only be called once\. Hook "
+    r"recording_hook is already registered on this gradcomm\.LegacyDistributedDataParallel",
 }
 
 

@@ -1,5 +1,6 @@
 """Messages of the smaller misuse paths: bad arguments to the DDPs, the collectives, the harness, checkpoints
-and the bench. The ones that need a process group share one spawned group."""
+and the bench, and the torch-DDP surface gradcomm's DDP refuses. The ones that need a process group share one
+spawned group."""
 
 from __future__ import annotations
 
@@ -14,7 +15,11 @@ from torch import nn
 import gradcomm
 from gradcomm import comm
 from gradcomm.__main__ import main
+from gradcomm.compression import TopK
 from gradcomm.ddp.checkpoint import save_checkpoint
+from gradcomm.ddp.torch_compat import _REFUSED
+from gradcomm.hooks import default_hooks
+from gradcomm.hooks.compression_hook import CompressionState, compressed_allreduce_hook
 from gradcomm.testing import run_on_ranks
 from tests.helpers import error_text
 
@@ -111,7 +116,22 @@ def _frozen() -> nn.Module:
     return module
 
 
+class _WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 2)
+        self.unused = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def _sparse_step(ddp: nn.Module) -> None:
+    ddp(torch.tensor([1, 3, 3])).sum().backward()
+
+
 def misuse_with_a_process_group() -> dict[str, str]:
+    torch.set_num_threads(1)
     out = {
         "reduce_scatter": error_text(lambda: comm.reduce_scatter_tensor(torch.zeros(3))),
         "all_to_all": error_text(lambda: comm.all_to_all_single(torch.zeros(3, 2))),
@@ -122,6 +142,10 @@ def misuse_with_a_process_group() -> dict[str, str]:
     ddp = gradcomm.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)))
     other = gradcomm.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3), nn.Linear(3, 2)))
     out["layout_of_other_model"] = error_text(lambda: ddp.load_bucket_layout(other.bucket_layout()))
+    # torch-DDP internals without a gradcomm equivalent, called on the instance as torch code would.
+    for name in _REFUSED:
+        out[f"refused {name}"] = error_text(lambda name=name: getattr(other, name)())
+    out["builtin_unknown"] = error_text(lambda: other._register_builtin_comm_hook(5))
     # Changing the buckets from inside backward (here: from a hook on the last gradient to become ready).
     layout = ddp.bucket_layout()
     seen: dict[str, str] = {}
@@ -132,23 +156,105 @@ def misuse_with_a_process_group() -> dict[str, str]:
     ddp.module[0].weight.register_post_accumulate_grad_hook(change_layout)
     ddp(torch.randn(2, 4)).sum().backward()
     out.update(seen)
+    # A backward that left buckets unreduced (an unused parameter without find_unused_parameters).
+    unfinished = gradcomm.DistributedDataParallel(_WithUnused())
+    unfinished(torch.randn(2, 4)).sum().backward()
+    out["not_finalized"] = error_text(unfinished._check_reducer_finalized)
+    # A hook that expects dense buffers on a sparse bucket, and a dense gradient where a sparse one belongs.
+    for name, state, hook in (
+        ("hook_raises_on_sparse_bucket", CompressionState(TopK(ratio=0.5), min_numel=0), compressed_allreduce_hook),
+        ("hook_future_fails_on_sparse_bucket", None, default_hooks.fp16_compress_hook),
+    ):
+        sparse = gradcomm.DistributedDataParallel(nn.Embedding(6, 3, sparse=True))
+        sparse.register_comm_hook(state, hook)
+        out[name] = error_text(lambda sparse=sparse: _sparse_step(sparse))
+    made_dense = gradcomm.DistributedDataParallel(nn.Embedding(6, 3, sparse=True))
+    made_dense.module.sparse = False
+    out["dense_on_sparse_bucket"] = error_text(lambda: _sparse_step(made_dense))
     dist.barrier()
     return out
 
 
+@pytest.fixture(scope="module")
+def observed() -> dict[str, str]:
+    return run_on_ranks(misuse_with_a_process_group, 2, timeout=100)[0]
+
+
+_SPARSE_HINT = (
+    r"a sparse bucket: torch's DDP hands sparse gradients \(nn.Embedding\(sparse=True\)\) to hooks too, so the "
+    r"hook must handle a sparse buffer, or use no hook"
+)
+
+MESSAGES = {
+    "reduce_scatter": r"ValueError: reduce_scatter_tensor: 3 elements do not split into 2 equal chunks; pad",
+    "all_to_all": r"ValueError: all_to_all_single: dimension 0 of size 3 does not split into 2 equal chunks",
+    "two_devices": r"ValueError: gradcomm.DistributedDataParallel supports one device per process; got "
+    r"device_ids=\[0, 1\]",
+    "all_frozen": r"RuntimeError: gradcomm.DistributedDataParallel: the module has no parameter that requires "
+    r"a gradient",
+    "layout_of_other_model": r"ValueError: load_bucket_layout: the checkpoint's bucket layout is for other "
+    r"parameters \(4 parameters here, 6 saved\); load it into the model it was saved from",
+    "during_backward": r"RuntimeError: load_bucket_layout: cannot change buckets during a backward pass",
+    "builtin_unknown": r"^TypeError: gradcomm.DistributedDataParallel._register_builtin_comm_hook: comm_hook_type "
+    r"must be dist.BuiltinCommHookType.ALLREDUCE or dist.BuiltinCommHookType.FP16_COMPRESS, got int 5; for any "
+    r"other hook use register_comm_hook\(state, hook\)$",
+    "not_finalized": r"^RuntimeError: gradcomm.DistributedDataParallel: the last backward did not finish reducing: "
+    r"no gradient arrived for unused.weight, unused.bias. Pass find_unused_parameters=True if they are unused on "
+    r"purpose.$",
+    "hook_raises_on_sparse_bucket": r"^CommHookError: Communication hook compressed_allreduce_hook raised on bucket 0 "
+    rf"\(18 elements, {_SPARSE_HINT}\): \w+: .* \(rank \d, step 0\); the hook's traceback is chained below$",
+    "hook_future_fails_on_sparse_bucket": r"(?s)^CommHookError: Communication hook fp16_compress_hook: the future it "
+    rf"returned for bucket 0 \({_SPARSE_HINT}\) failed: RuntimeError: .*Half.* \(rank \d, step 0\)$",
+    "dense_on_sparse_bucket": r"^RuntimeError: gradcomm.DistributedDataParallel: parameter weight belongs to an "
+    r"nn.Embedding/EmbeddingBag with sparse=True, so its bucket expects a sparse gradient, but it received a dense "
+    r"one \(was the module's sparse flag changed after wrapping\?\). Set sparse before wrapping the model.$",
+}
+
+
 @pytest.mark.timeout(120)
-def test_messages_with_a_process_group() -> None:
-    out = run_on_ranks(misuse_with_a_process_group, 2, timeout=100)[0]
+@pytest.mark.parametrize("check", list(MESSAGES))
+def test_messages_with_a_process_group(observed: dict[str, str], check: str) -> None:
+    assert re.search(MESSAGES[check], observed[check]), f"{check}: {observed[check]}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("name", "advice"), list(_REFUSED.items()))
+def test_refused_torch_methods_name_the_method_and_what_to_do(
+    observed: dict[str, str], name: str, advice: str
+) -> None:
+    assert observed[f"refused {name}"] == (
+        f"UnsupportedTorchMethodError: gradcomm.DistributedDataParallel.{name}() is torch's C++-reducer internals "
+        f"and has no gradcomm equivalent; {advice}."
+    )
+
+
+class _TwoDimensionalMesh:
+    ndim = 2
+
+    def __repr__(self) -> str:
+        return "DeviceMesh((2, 1))"
+
+
+def test_a_multi_dimensional_device_mesh_gets_torchs_sentence_too() -> None:
+    with pytest.raises(gradcomm.UnsupportedArgumentError) as caught:
+        gradcomm.DistributedDataParallel(nn.Linear(2, 2), device_mesh=_TwoDimensionalMesh())
+    assert str(caught.value) == (
+        "gradcomm.DistributedDataParallel does not support device_mesh=DeviceMesh((2, 1)) (torch's DDP argument); "
+        "pass process_group=device_mesh.get_group(0) for a 1-D mesh. Only 1D device mesh is supported, but got "
+        "DeviceMesh((2, 1))."
+    )
+
+
+def test_public_error_types_are_exported() -> None:
+    from gradcomm.ddp import distributed, torch_compat
+    from gradcomm.hooks import contract
+
     expected = {
-        "reduce_scatter": r"ValueError: reduce_scatter_tensor: 3 elements do not split into 2 equal chunks; pad",
-        "all_to_all": r"ValueError: all_to_all_single: dimension 0 of size 3 does not split into 2 equal chunks",
-        "two_devices": r"ValueError: gradcomm.DistributedDataParallel supports one device per process; got "
-        r"device_ids=\[0, 1\]",
-        "all_frozen": r"RuntimeError: gradcomm.DistributedDataParallel: the module has no parameter that requires "
-        r"a gradient",
-        "layout_of_other_model": r"ValueError: load_bucket_layout: the checkpoint's bucket layout is for other "
-        r"parameters \(4 parameters here, 6 saved\); load it into the model it was saved from",
-        "during_backward": r"RuntimeError: load_bucket_layout: cannot change buckets during a backward pass",
+        "CommHookTypeError": contract.CommHookTypeError,
+        "CommHookResultError": contract.CommHookResultError,
+        "ParameterMismatchError": distributed.ParameterMismatchError,
+        "UnsupportedArgumentError": torch_compat.UnsupportedArgumentError,
+        "UnsupportedTorchMethodError": torch_compat.UnsupportedTorchMethodError,
     }
-    for key, pattern in expected.items():
-        assert re.search(pattern, out[key]), f"{key}: {out[key]}"
+    for name, error in expected.items():
+        assert name in gradcomm.__all__ and getattr(gradcomm, name) is error, name

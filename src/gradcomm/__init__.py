@@ -10,22 +10,28 @@ from gradcomm.comm.faults import NonFiniteGradientError, ParameterDriftError, Pe
 from gradcomm.ddp.agreement import RanksDisagreeError
 from gradcomm.ddp.averagers import PeriodicModelAverager
 from gradcomm.ddp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from gradcomm.ddp.distributed import DistributedDataParallel
+from gradcomm.ddp.distributed import DistributedDataParallel, ParameterMismatchError
 from gradcomm.ddp.legacy import LegacyDistributedDataParallel
-from gradcomm.hooks.contract import CommHookError
+from gradcomm.ddp.torch_compat import UnsupportedArgumentError, UnsupportedTorchMethodError
+from gradcomm.hooks.contract import CommHookError, CommHookResultError, CommHookTypeError
 from gradcomm.hooks.grad_bucket import GradBucket
 
 __all__ = [
     "CheckpointError",
     "CommHookError",
+    "CommHookResultError",
+    "CommHookTypeError",
     "DistributedDataParallel",
     "GradBucket",
     "LegacyDistributedDataParallel",
     "NonFiniteGradientError",
     "ParameterDriftError",
+    "ParameterMismatchError",
     "PeriodicModelAverager",
     "PeerLostError",
     "RanksDisagreeError",
+    "UnsupportedArgumentError",
+    "UnsupportedTorchMethodError",
     "load_checkpoint",
     "save_checkpoint",
 ]

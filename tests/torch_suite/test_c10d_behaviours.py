@@ -137,15 +137,6 @@ _DATACLASS = (
 )
 
 GRADCOMM_FAILURES: dict[str, str] = {
-    "hook_not_callable_type_error": _TORCH_WORDING + "'Communication hook must be callable.'",
-    "hook_bucket_annotation_value_error": _TORCH_WORDING + "'bucket annotation should be dist.GradBucket.'",
-    "hook_return_annotation_value_error": _TORCH_WORDING
-    + "'Communication hook: return annotation should be torch.futures.Future'",
-    "hook_returning_non_future_runtime_error": _TORCH_WORDING
-    + "'callback must return a torch.futures.Future object, but got' (gradcomm: CommHookTypeError: "
-    "Communication hook _returns_one returned int on bucket 0; ...)",
-    "hook_registered_twice_runtime_error": _TORCH_WORDING
-    + "'register_comm_hook or register_builtin_comm_hook can only be called once.'",
     "checkpointing_once": _REENTRANT,
     "checkpointing_once_static_graph": _REENTRANT,
     "checkpointing_once_static_graph_find_unused": _REENTRANT,

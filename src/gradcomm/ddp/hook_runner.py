@@ -32,6 +32,9 @@ from gradcomm.hooks.grad_bucket import GradBucket
 
 __all__ = ["HookRunner"]
 
+_REGISTERED_TWICE = "register_comm_hook or register_builtin_comm_hook can only be called once."
+"""torch's DDP's sentence for a second registration, which code written for torch matches."""
+
 
 class HookRunner:
     """The registered hook of one DDP (``owner`` names that DDP in errors) on ``group``."""
@@ -59,8 +62,8 @@ class HookRunner:
         check_hook(hook)
         if self.hook is not None:
             raise RuntimeError(
-                f"register_comm_hook can only be called once: hook {self.name} is already registered, so "
-                f"{hook_name(hook)} cannot be. Combine them into one hook, or build a new DDP."
+                f"{_REGISTERED_TWICE} Hook {self.name} is already registered on this {self.owner}, so "
+                f"{hook_name(hook)} cannot be: combine them into one hook, or build a new DDP."
             )
         if too_late is not None:
             raise RuntimeError(f"register_comm_hook({hook_name(hook)}) must be called {too_late}")

@@ -85,7 +85,15 @@ def refuse_unsupported_arguments(**given: Any) -> None:
         if value is not default and value != default:
             raise UnsupportedArgumentError(
                 f"{_OWNER} does not support {name}={value!r} (torch's DDP argument); {advice}."
+                f"{_torch_also_refuses(name, value)}"
             )
+
+
+def _torch_also_refuses(name: str, value: Any) -> str:
+    """torch's own sentence where torch's DDP refuses ``value`` too (so a test of torch's message matches)."""
+    if name == "device_mesh" and getattr(value, "ndim", 1) != 1:
+        return f" Only 1D device mesh is supported, but got {value}."
+    return ""
 
 
 def resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
@@ -162,7 +170,8 @@ class TorchDDPSurface(TorchDDP):
         """Accepted for compatibility: gradcomm has no ``_DDPSink`` and never clones the forward's outputs."""
 
     def _check_comm_hook(self, hook: Any) -> None:
-        """torch's registration check, done by gradcomm's (stricter messages, same exception types)."""
+        """torch's registration check, done by gradcomm's (torch's sentences and exception types, then the
+        hook's name and what to do)."""
         check_hook(hook)
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
@@ -174,9 +183,10 @@ class TorchDDPSurface(TorchDDP):
             dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook,
         }
         if comm_hook_type not in builtin:
-            raise UnsupportedTorchMethodError(
-                f"{_OWNER}._register_builtin_comm_hook: unknown built-in hook type {comm_hook_type!r}; use "
-                "dist.BuiltinCommHookType.ALLREDUCE or FP16_COMPRESS, or register_comm_hook(state, hook)"
+            raise TypeError(
+                f"{_OWNER}._register_builtin_comm_hook: comm_hook_type must be dist.BuiltinCommHookType.ALLREDUCE "
+                f"or dist.BuiltinCommHookType.FP16_COMPRESS, got {type(comm_hook_type).__name__} "
+                f"{comm_hook_type!r}; for any other hook use register_comm_hook(state, hook)"
             )
         self.register_comm_hook(self.process_group, builtin[comm_hook_type])
 

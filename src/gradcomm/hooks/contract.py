@@ -42,6 +42,11 @@ CommHook = Callable[[Any, "GradBucket | dist.GradBucket"], torch.futures.Future[
 _BUCKET_TYPES = (GradBucket, dist.GradBucket)
 _BUCKET_TYPE_NAMES = ("GradBucket", "dist.GradBucket", "gradcomm.GradBucket", "torch.distributed.GradBucket")
 _FUTURE_TYPE_NAMES = ("Future", "torch.futures.Future", "Future[torch.Tensor]", "torch.futures.Future[torch.Tensor]")
+_SPARSE_HINT = (
+    "a sparse bucket: torch's DDP hands sparse gradients (nn.Embedding(sparse=True)) to hooks too, so the hook must "
+    "handle a sparse buffer, or use no hook"
+)
+"""What a hook failure on a sparse bucket says: the likely cause and what to do."""
 
 
 class CommHookError(RuntimeError):
@@ -68,11 +73,16 @@ def hook_name(hook: Callable[..., Any]) -> str:
 
 
 def check_hook(hook: Any) -> None:
-    """Check at registration that ``hook`` can be called as ``hook(state, bucket)`` and is annotated right."""
+    """Check at registration that ``hook`` can be called as ``hook(state, bucket)`` and is annotated right.
+
+    Each message starts with the sentence torch's ``DistributedDataParallel._check_comm_hook`` raises (same
+    exception type), so code matching torch's wording matches gradcomm's, and goes on to name the hook.
+    """
     if not callable(hook):
         raise TypeError(
-            f"Communication hook must be callable as hook(state, bucket) -> torch.futures.Future; "
-            f"got {type(hook).__name__} {hook!r}"
+            f"Communication hook must be callable. Got {type(hook).__name__} {hook!r}: pass a function "
+            "hook(state, bucket) -> torch.futures.Future[torch.Tensor], such as "
+            "gradcomm.hooks.default_hooks.allreduce_hook"
         )
     name = hook_name(hook)
     try:
@@ -90,14 +100,16 @@ def check_hook(hook: Any) -> None:
     annotation = bucket_parameter.annotation
     if annotation is not inspect.Parameter.empty and not _is_bucket_type(annotation):
         raise ValueError(
-            f"Communication hook {name}: the bucket parameter {bucket_parameter.name!r} is annotated "
-            f"{_describe(annotation)}; it should be dist.GradBucket (or gradcomm.GradBucket), or unannotated"
+            f"Communication hook: bucket annotation should be dist.GradBucket. Hook {name}'s bucket parameter "
+            f"{bucket_parameter.name!r} is annotated {_describe(annotation)}: annotate it dist.GradBucket (or "
+            "gradcomm.GradBucket), or leave it unannotated"
         )
     returned = signature.return_annotation
     if returned is not inspect.Signature.empty and not _is_future_type(returned):
         raise ValueError(
-            f"Communication hook {name}: the return annotation is {_describe(returned)}; it should be "
-            "torch.futures.Future[torch.Tensor], or none"
+            "Communication hook: return annotation should be torch.futures.Future[torch.Tensor]. Hook "
+            f"{name}'s return annotation is {_describe(returned)}: annotate it torch.futures.Future[torch.Tensor], "
+            "or leave it unannotated"
         )
 
 
@@ -115,21 +127,19 @@ def call_hook(
         if is_communication_failure(exc):
             raise lost_contact(exc, step, f"bucket {bucket.index()} (hook: {hook_name(hook)})", group) from exc
         buffer = bucket.buffer()
-        sparse = (
-            ", a sparse bucket: torch's DDP hands sparse gradients (nn.Embedding(sparse=True)) to hooks too, so the "
-            "hook must handle a sparse buffer, or use no hook"
-            if buffer.is_sparse
-            else ""
-        )
+        details = f"{buffer.numel()} elements" + (f", {_SPARSE_HINT}" if buffer.is_sparse else "")
         raise CommHookError(
-            f"Communication hook {hook_name(hook)} raised on bucket {bucket.index()} "
-            f"({buffer.numel()} elements{sparse}): {type(exc).__name__}: {exc}{rank_and_step(step)}; "
-            "the hook's traceback is chained below"
+            f"Communication hook {hook_name(hook)} raised on bucket {bucket.index()} ({details}): "
+            f"{type(exc).__name__}: {exc}{rank_and_step(step)}; the hook's traceback is chained below"
         ) from exc
     if not isinstance(future, torch._C.Future):
+        returned = type(future)
         raise CommHookTypeError(
-            f"Communication hook {hook_name(hook)} returned {type(future).__name__} on bucket "
-            f"{bucket.index()}; it must return a torch.futures.Future whose value is the bucket's tensor"
+            f"Communication hook {hook_name(hook)} returned {returned.__name__} on bucket {bucket.index()}; it must "
+            "return a torch.futures.Future whose value is the bucket's tensor. DDP communication hook's callback "
+            f"must return a torch.futures.Future object, but got {returned.__module__}.{returned.__qualname__}"
+            f"{rank_and_step(step)}. For a tensor computed at once: future = torch.futures.Future(); "
+            "future.set_result(tensor); return future"
         )
     return future
 
@@ -153,8 +163,9 @@ def hook_result(
     except Exception as exc:
         if is_communication_failure(exc):
             raise lost_contact(exc, step, f"bucket {index} (hook: {name})", group) from exc
+        sparse = f" ({_SPARSE_HINT})" if expected.is_sparse else ""
         raise CommHookError(
-            f"Communication hook {name}: the future it returned for bucket {index} failed: "
+            f"Communication hook {name}: the future it returned for bucket {index}{sparse} failed: "
             f"{type(exc).__name__}: {exc}{rank_and_step(step)}"
         ) from exc
     if isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], torch.Tensor):
