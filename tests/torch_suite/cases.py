@@ -50,15 +50,7 @@ EXCLUDED: dict[str, str] = {
 }
 
 # Measured with benchmarks/torch_suite_report.py (each passes with torch's DDP): case -> what fails.
-GRADCOMM_FAILURES: dict[str, str] = {
-    "test_ddp_create_graph": (
-        "backward(create_graph=True): RuntimeError: mul(): functions with out=... arguments don't support "
-        "automatic differentiation (reducer.py _mark_ready)"
-    ),
-    "test_grads_same_across_ranks_with_no_sync": (
-        "find_unused_parameters + no_sync: AssertionError: Gradients can't be None for any model parameter."
-    ),
-}
+GRADCOMM_FAILURES: dict[str, str] = {}
 
 # The cases CI runs (tests/torch_suite/test_torch_suite.py): every selected, not excluded case that passes
 # with gradcomm's DDP on CPU/gloo, 2 ranks.
@@ -70,6 +62,8 @@ CI_PASSING: tuple[str, ...] = (
     "test_accumulate_gradients_no_sync_grad_is_view",
     "test_accumulate_gradients_no_sync_allreduce_hook",
     "test_accumulate_gradients_no_sync_allreduce_with_then_hook",
+    "test_ddp_create_graph",
+    "test_grads_same_across_ranks_with_no_sync",
 )
 
 

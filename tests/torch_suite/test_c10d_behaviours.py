@@ -124,39 +124,7 @@ OUT_OF_SCOPE = [
     "ReduceOpTest, LocalRankTest, RecordCommTest",
 ]
 
-_REENTRANT = (
-    "reentrant torch.utils.checkpoint: gradcomm queues its end-of-backward callback at the first ready "
-    "gradient, i.e. inside the checkpoint's inner backward, so it finalises before the outer parameters' "
-    "gradients arrive: the step is not averaged (AssertionError: gradients differ from one process's at step 0)"
-)
-_TORCH_WORDING = "gradcomm raises the right type, but its message lacks torch's fragment: "
-_DATACLASS = (
-    "find_unused_parameters misses tensors inside a dataclass output (torch's _find_tensors handles "
-    "dataclasses): every parameter is taken for unused, then RuntimeError: parameter right.2.bias received "
-    "its gradient twice in one backward"
-)
-
-GRADCOMM_FAILURES: dict[str, str] = {
-    "checkpointing_once": _REENTRANT,
-    "checkpointing_once_static_graph": _REENTRANT,
-    "checkpointing_once_static_graph_find_unused": _REENTRANT,
-    "checkpointing_unused_params_static_graph": _REENTRANT,
-    "checkpointing_twice_static_graph": _REENTRANT,
-    "checkpointing_twice_weight_sharing_static_graph": _REENTRANT,
-    "checkpointing_twice_reentrant_runtime_error": "no RuntimeError and wrong gradients where torch raises "
-    "'Expected to mark a variable ready only once.': " + _REENTRANT,
-    "checkpointing_unused_params_reentrant_runtime_error": _TORCH_WORDING
-    + "'Expected to mark a variable ready only once.' (gradcomm: parameter second.bias received its gradient "
-    "twice in one backward)",
-    "checkpointing_twice_reentrant_find_unused_runtime_error": _TORCH_WORDING
-    + "'Expected to mark a variable ready only once.' (gradcomm: parameter second.bias received its gradient "
-    "twice in one backward)",
-    "two_forwards_one_backward_batchnorm_buffers": "RuntimeError: one of the variables needed for gradient "
-    "computation has been modified by an inplace operation: the buffer broadcast of the second forward bumps "
-    "BatchNorm's running stats' version counters (torch broadcasts under _unsafe_preserve_version_counter)",
-    "dataclass_output": _DATACLASS,
-    "dataclass_output_unused_param": _DATACLASS,
-}
+GRADCOMM_FAILURES: dict[str, str] = {}
 """Checks that fail with gradcomm's DDP: check name -> the first line of what fails (strict xfails)."""
 
 RUN_TIMEOUT = 240

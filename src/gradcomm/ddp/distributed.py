@@ -356,7 +356,12 @@ class DistributedDataParallel(TorchDDPSurface):
         if self.forward_sync_buffers:
             buffers = list(self.module.buffers())
             if buffers:
-                with reporting_lost_peers(self.synchronised_steps, "broadcasting buffers", self._group):
+                # as torch: the broadcast keeps the buffers' version counters, so a backward through an earlier
+                # forward that saved them (two forwards, one backward) still finds them unchanged
+                with (
+                    reporting_lost_peers(self.synchronised_steps, "broadcasting buffers", self._group),
+                    torch.autograd._unsafe_preserve_version_counter(tuple(buffers)),
+                ):
                     broadcast_coalesced(buffers, self._group, source)
 
     # -- uneven inputs: torch's Joinable interface (see gradcomm.ddp.join) ---------------------------------

@@ -5,12 +5,15 @@ Mechanism only; what a bucket's communication does is the hook's business. Per s
 1. ``prepare_for_backward`` (called by DDP's forward) arms the reducer and, with
    ``find_unused_parameters``, finds the parameters the output does not depend on.
 2. During backward each parameter's post-accumulate-grad hook copies its gradient into its bucket. When a
-   bucket is complete, it and every complete bucket after it in order are launched: the communication hook
-   (or the default averaging allreduce) starts while backward goes on computing other gradients. Buckets
-   are launched strictly in index order so that all ranks issue collectives in the same order.
-3. An autograd-engine callback, run when backward finishes, waits for every bucket's future and writes the
-   results into the parameters' ``.grad`` (or makes ``.grad`` a view into the bucket).
+   bucket is complete, it and every complete bucket after it in order are launched (hook, or the default
+   averaging allreduce) while backward goes on; strictly in index order, so all ranks match collectives.
+3. When the last bucket is launched, an autograd-engine callback is queued, as torch does, in the backward
+   that launched it (the outer one under reentrant checkpointing, if outer gradients were still to come):
+   it waits for every bucket's future and writes ``.grad`` (or makes it a view into the bucket). A backward
+   that ends with buckets unlaunched is reported at the next forward, naming the parameters.
 
+A static graph's first iteration and ``find_unused_parameters`` without an output (a backward inside the
+forward) learn which parameters have no gradient only at the end of backward (:meth:`Reducer._end_of_backward`).
 After the first synchronised iteration the buckets are rebuilt once, in the order gradients actually became
 ready (rank 0's order, broadcast so all ranks agree), as torch's DDP does.
 
@@ -26,6 +29,7 @@ runs on zero buckets, in bucket order, so its collectives match the other ranks'
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -34,21 +38,22 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from gradcomm.comm.faults import NonFiniteGradientError, PeerLostError, reporting_lost_peers
+from gradcomm.comm.faults import PeerLostError, reporting_lost_peers
 from gradcomm.comm.futures import wait_quietly
 from gradcomm.ddp.bucketing import Bucket, assign_buckets, bucket_size_limits, same_tensor
+from gradcomm.ddp.finite import check_bucket_finite
+from gradcomm.ddp.grad_hooks import EndOfBackwardHook, GradReadyHook
 from gradcomm.ddp.hook_runner import HookRunner
+from gradcomm.ddp.reducer_surface import ReducerSurface, graph_changed_error, marked_twice_error
 from gradcomm.ddp.sparse import SparseBucket
-from gradcomm.ddp.telemetry import CommStats
-from gradcomm.ddp.unused import UsedParameters, parameters_reached
-from gradcomm.hooks.contract import CommHook
+from gradcomm.ddp.unused import UsedParameters, parameters_reached, tensors_in
 
 __all__ = ["Reducer"]
 
 logger = logging.getLogger(__name__)
 
 
-class Reducer:
+class Reducer(ReducerSurface):
     """Buckets the gradients of ``params`` and reduces them with a communication hook during backward."""
 
     def __init__(
@@ -92,6 +97,11 @@ class Reducer:
         self._rebuild_order: list[int] | None = None
         self._unfinished: list[str] = []
         self._armed = False
+        # which parameters got a gradient since the last synchronised step (no_sync iterations included)
+        self._used_map = torch.zeros(len(self._params), dtype=torch.int32)
+        self._first_counts: list[int] = []
+        self._countdown: list[int] = []
+        self._warned_create_graph = False
         self._build_buckets(list(reversed(range(len(self._params)))))
         self._reset_iteration()
         self_ref = weakref.ref(self)
@@ -101,103 +111,19 @@ class Reducer:
             for index in range(len(self._params))
         ]
         self._grad_hook_handles = [
-            param.register_post_accumulate_grad_hook(_GradReadyHook(self_ref, index))
+            param.register_post_accumulate_grad_hook(GradReadyHook(self_ref, index))
             for index, param in enumerate(self._params)
         ]
-
-    # -- public API ----------------------------------------------------------------------------------------
-    @property
-    def stats(self) -> CommStats:
-        """This DDP's communication statistics (see :mod:`gradcomm.ddp.telemetry`)."""
-        return self._runner.stats
-
-    @property
-    def bucket_count(self) -> int:
-        return len(self._buckets)
-
-    @property
-    def synchronised_steps(self) -> int:
-        """Synchronised steps completed (shadow steps of a joined rank included); the step numbers in errors
-        count from 0, so step ``n`` is the one after ``n`` completed steps."""
-        return self._synced_backwards
-
-    def bucket_parameter_names(self) -> list[list[str]]:
-        """The parameter names in each bucket, in bucket order."""
-        return [[self._names[i] for i in bucket.param_indices] for bucket in self._buckets]
-
-    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
-        """Register ``hook``; a collective: every rank must register, and the same hook with the same options.
-
-        The ranks compare the hook's qualified name, its state's plain options and the bucket layout in one
-        ``all_gather_object`` and all raise :class:`~gradcomm.ddp.agreement.RanksDisagreeError` if they differ.
-        """
-        too_late = None
-        if self._synced_backwards or self._armed and self._callback_queued or self._runner.setup_checked:
-            too_late = (
-                "before the first backward, and before the first synchronised forward (where the ranks compare "
-                f"their setup); {self._synced_backwards} synchronised backward pass(es) already ran with "
-                f"{self._runner.name}"
-            )
-        self._runner.register(state, hook, too_late, self._setup())
-
-    def _setup(self) -> dict[str, str]:
-        """What the ranks must agree on besides the hook: bucket layout and the DDP's settings."""
-        sizes = [bucket.buffer.numel() for bucket in self._buckets]
-        dtypes = sorted({str(bucket.buffer.dtype) for bucket in self._buckets})
-        return {
-            "bucket layout": f"{len(sizes)} bucket(s) of {sizes} elements ({', '.join(dtypes)})",
-            "bucket_cap_mb": repr(self._bucket_cap_mb),
-            "find_unused_parameters": repr(self._find_unused),
-            "static_graph": repr(self._static.enabled),
-            "bucket_cap_mb_list": repr(self._bucket_caps),
-            **self._settings,
-        }
-
-    def bucket_layout(self) -> dict[str, Any]:
-        """The bucket layout as plain values, for checkpoints: the parameter order the buckets are (or, after
-        a pending rebuild, will be) built from, and whether the one-time rebuild has happened."""
-        order = self._rebuild_order if self._rebuild_order is not None else self._layout_order
-        return {"order": list(order), "rebuilt": self._rebuild_done, "names": list(self._names)}
-
-    def load_bucket_layout(self, layout: dict[str, Any]) -> None:
-        """Adopt a saved :meth:`bucket_layout`, so a resumed run reduces in the same buckets as the original."""
-        if self._armed and self._callback_queued:
-            raise RuntimeError("load_bucket_layout: cannot change buckets during a backward pass")
-        if list(layout["names"]) != self._names:
-            mismatch = next(
-                (f"{a!r} here, {b!r} saved" for a, b in zip(self._names, layout["names"], strict=False) if a != b),
-                f"{len(self._names)} parameters here, {len(layout['names'])} saved",
-            )
-            raise ValueError(
-                "load_bucket_layout: the checkpoint's bucket layout is for other parameters "
-                f"({mismatch}); load it into the model it was saved from"
-            )
-        if layout["rebuilt"]:
-            self._rebuild_in_order(list(layout["order"]), broadcast=False)
-            self._rebuild_done, self._rebuild_order, self._ready_order = True, None, []
-
-    def replicas_may_differ(self) -> bool:
-        """Whether the registered hook leaves the replicas different on purpose at this point."""
-        return self._runner.replicas_may_differ()
-
-    def check_usable(self) -> None:
-        """Raise if an earlier synchronised step failed on this rank: the ranks may be out of step."""
-        self._runner.check_usable()
 
     def _fail(self, exc: BaseException) -> None:
         self._runner.fail(exc)
         self._armed = False
 
-    def set_active_ranks(self, count: int | None) -> None:
-        """Average the default reduction over ``count`` ranks (``None``: all), for ``join()`` with
-        ``divide_by_initial_world_size=False``. A registered hook divides as it does itself."""
-        self._grad_divisor = count or self._world_size
-        self._grad_scale = 1.0 / self._grad_divisor
-
     def prepare_for_forward(self, source_rank: int = 0) -> None:
         """Called before a forward whose backward will synchronise: report trouble, compare the ranks' setup
         (once), rebuild buckets (once, broadcasting group rank ``source_rank``'s order)."""
         self.check_usable()
+        self._take_unfinished()
         if self._unfinished:
             names, self._unfinished = self._unfinished, []
             shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
@@ -233,23 +159,71 @@ class Reducer:
 
     def _arm(self, outputs: Any) -> None:
         """Arm for the coming backward; ``outputs`` is ``None`` when it runs inside the forward (no output yet)."""
+        self._take_unfinished()
         self._reset_iteration()
         self._armed = True
         if self._static.enabled:
-            # a static graph: the parameters without a gradient are those of the first iteration, found at its
-            # end; later iterations mark them ready at once (and, as a safety net, any other one at the end)
-            self._unused = self._static.locally_unused
-            self._unused_at_end = True
+            if not self._static.recorded:
+                # torch's first static iteration: count each parameter's gradients, reduce everything at the end
+                self._first_counts = [0] * len(self._params)
+                self._counting = self._count_first
+                self._end_of_backward_at(outputs)
+            else:
+                self._unused = self._static.locally_unused
+                self._countdown = list(self._static.hook_counts)
+                self._counting = self._count_down
         elif self._find_unused:
             if outputs is None:
                 self._unused_at_end = True
+                self._end_of_backward_at(None)
             else:
                 reached = parameters_reached(outputs)
                 self._unused = [i for i, p in enumerate(self._params) if id(p) not in reached]
 
+    def _end_of_backward_at(self, outputs: Any) -> None:
+        """Arrange for :meth:`_end_of_backward` to run when the backward through ``outputs`` ends.
+
+        As torch's ``_DDPSink``: a pre-hook on the outputs' autograd nodes queues it in the backward that
+        reaches them, the outermost one even under reentrant checkpointing. Without outputs (a backward inside
+        the forward) it is queued at the first gradient instead.
+        """
+        self._end_at_first_grad = True
+        self_ref = weakref.ref(self)
+        for tensor in tensors_in(outputs):
+            if tensor.grad_fn is not None:
+                tensor.grad_fn.register_prehook(EndOfBackwardHook(self_ref))
+                self._end_at_first_grad = False
+
+    def _queue_end_of_backward(self) -> None:
+        if self._armed and not self._end_queued:
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _count_first(self, index: int) -> bool:
+        """First static iteration: count the gradient, defer marking to the end of backward (as torch)."""
+        self._first_counts[index] += 1
+        if self._first_counts[index] == 1 and not self._rebuild_done:
+            self._ready_order.append(index)
+        return True
+
+    def _count_down(self, index: int) -> bool:
+        """Later static iterations: a parameter is ready at its last gradient of the first iteration's count."""
+        left = self._countdown[index] - 1
+        if left < 0:
+            raise graph_changed_error(self._names[index], self._static.hook_counts[index])
+        self._countdown[index] = left
+        return left > 0
+
     def disarm(self) -> None:
         """Forget a prepared backward (the next backward accumulates locally)."""
+        self._take_unfinished()
         self._armed = False
+
+    def _take_unfinished(self) -> None:
+        """Record the parameters a started backward left without gradient (its buckets were never reduced)."""
+        if self._armed and self._started:
+            self._unfinished = [self._names[i] for i in range(len(self._params)) if not self._ready[i]]
+            self._armed = False
 
     # -- bucket layout -------------------------------------------------------------------------------------
     def _build_buckets(self, order: list[int]) -> None:
@@ -292,34 +266,35 @@ class Reducer:
         self._pending = [len(bucket.param_indices) for bucket in self._buckets]
         self._futures: list[torch.futures.Future | None] = [None] * len(self._buckets)
         self._next_bucket = 0
-        self._callback_queued = False
+        self._started = False  # a gradient of the armed backward has arrived
+        self._finalize_queued = False
+        self._end_queued = False
+        self._end_at_first_grad = False
+        self._counting: Any = None  # static graph: decides per gradient whether the parameter is ready yet
         self._unused: list[int] = []
         self._unused_at_end = False
-        self._locally_used = (
-            torch.zeros(len(self._params), dtype=torch.int32) if self._static.reduces_used_map(self._find_unused) else None
-        )
+        self._locally_used = self._used_map if self._static.reduces_used_map(self._find_unused) else None
 
     def _on_grad_ready(self, index: int) -> None:
         if not self._armed:
+            if self._find_unused:  # torch carries the used map across no_sync iterations
+                self._used_map[index] = 1
             return
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        if not self._started:
+            self._started = True
+            if self._end_at_first_grad:
+                self._queue_end_of_backward()
             for unused in self._unused:
                 self._markers[unused](unused)
         if self._locally_used is not None:
             self._locally_used[index] = 1
+        if self._counting is not None and self._counting(index):
+            return
         self._markers[index](index)
-
-    def _received_twice(self, index: int) -> RuntimeError:
-        return RuntimeError(
-            f"gradcomm.DistributedDataParallel: parameter {self._names[index]} received its gradient twice "
-            "in one backward (is it used in two backward passes, or by reentrant checkpointing?)"
-        )
 
     def _mark_ready(self, index: int) -> None:
         if self._ready[index]:
-            raise self._received_twice(index)
+            raise marked_twice_error(self._names[index])
         self._ready[index] = 1
         if not self._rebuild_done:
             self._ready_order.append(index)
@@ -332,17 +307,35 @@ class Reducer:
             if not same_tensor(grad, view):
                 view.copy_(grad)
         else:
-            torch.mul(grad, self._grad_scale, out=view)  # as torch: pre-divide, then sum
+            try:
+                torch.mul(grad, self._grad_scale, out=view)  # as torch: pre-divide, then sum
+            except RuntimeError:
+                if not grad.requires_grad:
+                    raise
+                self._copy_graph_gradient(grad, view)
         if self._as_view and grad is not None and not same_tensor(grad, view):
             param.grad = view
         self._pending[bucket.index] -= 1
         if self._pending[bucket.index] == 0:
             self._launch_ready_buckets()
 
+    def _copy_graph_gradient(self, grad: torch.Tensor, view: torch.Tensor) -> None:
+        """``backward(create_graph=True)``: as torch, the bucket takes the gradient's value, outside the graph
+        (the higher-order gradient is not synchronised)."""
+        if not self._warned_create_graph:
+            self._warned_create_graph = True
+            warnings.warn(
+                "Using gradcomm.DistributedDataParallel with create_graph=True is not well-supported (as in torch): "
+                "the gradients are averaged, but the higher-order gradient is not synchronised across ranks.",
+                stacklevel=2,
+            )
+        with torch.no_grad():
+            torch.mul(grad.detach(), self._grad_scale, out=view)
+
     def _mark_sparse_ready(self, index: int) -> None:
         """:meth:`_mark_ready` for a parameter with a sparse gradient (a bucket of its own; see ddp/sparse.py)."""
         if self._ready[index]:
-            raise self._received_twice(index)
+            raise marked_twice_error(self._names[index])
         self._ready[index] = 1
         if not self._rebuild_done:
             self._ready_order.append(index)
@@ -358,7 +351,7 @@ class Reducer:
             while self._next_bucket < len(self._buckets) and self._pending[self._next_bucket] == 0:
                 bucket = self._buckets[self._next_bucket]
                 if self._check_finite:
-                    self._check_bucket_finite(bucket)
+                    check_bucket_finite(bucket, self._names, self._synced_backwards)
                 if bucket.index == 0:
                     self.stats.begin_step()
                 future = self._runner.launch(bucket.grad_bucket(), self._synced_backwards)
@@ -366,6 +359,11 @@ class Reducer:
                 self._next_bucket += 1
                 if future.done():  # if it failed, stop before the next bucket's collectives are launched
                     self._raise_if_failed(bucket, future)
+            if self._next_bucket == len(self._buckets) and not self._finalize_queued:
+                # as torch: finalize at the end of the backward in which the last bucket became ready, which
+                # under reentrant checkpointing is the outer one whenever outer gradients are still to come
+                self._finalize_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -381,50 +379,46 @@ class Reducer:
                     self._runner.result(self._futures[earlier.index], earlier.index, earlier.buffer, step)
             raise
 
-    def _check_bucket_finite(self, bucket: Bucket) -> None:
-        """``check_finite``: raise before ``bucket`` is sent if it holds NaN or infinity, naming the parameter."""
-        if bool(torch.isfinite(bucket.finite_values() if bucket.sparse else bucket.buffer).all()):
+    def _end_of_backward(self) -> None:
+        """Autograd-engine callback at the end of the outermost backward, when parameters without a gradient
+        are only known then: a static graph's first iteration (every bucket is reduced now, as torch's
+        ``_delay_all_reduce``) and ``find_unused_parameters`` without an output to search."""
+        if not self._armed:
             return
-        offending = []
-        views = [bucket.finite_values()] if bucket.sparse else bucket.views
-        for index, view in sorted(zip(bucket.param_indices, views, strict=True), key=lambda item: item[0]):
-            finite = torch.isfinite(view)
-            if not bool(finite.all()):
-                nans = int(torch.isnan(view).sum())
-                offending.append((self._names[index], nans, int((~finite).sum()) - nans, view.numel()))
-        name, nans, infs, numel = offending[0]
-        others = [item[0] for item in offending[1:]]
-        also = f" (also non-finite in this bucket: {', '.join(others[:5])}{' ...' if len(others) > 5 else ''})"
-        rank = dist.get_rank()
-        raise NonFiniteGradientError(
-            f"gradcomm.DistributedDataParallel(check_finite=True): rank {rank} has a non-finite gradient for "
-            f"parameter {name!r} ({nans} NaN and {infs} infinite of {numel} values) in step "
-            f"{self._synced_backwards}{also if others else ''}. Its bucket {bucket.index} was not sent; the "
-            "other ranks fail with a lost-contact error when the process group's timeout passes. Find the "
-            f"cause on rank {rank} (learning rate, loss scale, an input holding NaN) and resume from the last "
-            "checkpoint."
-        )
-
-    def _finalize(self) -> None:
-        """Autograd-engine callback at the end of backward: wait for the buckets and write ``.grad``."""
-        self._armed = False
-        step = self._synced_backwards
-        peer_lost = False
+        self._finalize_queued = True  # finalize here, not in yet another callback
         try:
-            if self._unused_at_end:
+            if self._counting == self._count_first:
+                self._counting = None
+                self._static.hook_counts = list(self._first_counts)
+                order, self._ready_order = self._ready_order, []
+                seen = set(order)
+                for index in [*order, *(i for i in range(len(self._params)) if i not in seen)]:
+                    self._markers[index](index)
+            elif self._unused_at_end:
                 index = self._ready.find(0)
                 while index != -1:
                     self._markers[index](index)
                     index = self._ready.find(0, index + 1)
-            if self._next_bucket < len(self._buckets):
-                self._unfinished = [self._names[i] for i in range(len(self._params)) if not self._ready[i]]
-                return
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        if self._next_bucket == len(self._buckets):
+            self._finalize()
+
+    def _finalize(self) -> None:
+        """Autograd-engine callback once the last bucket is launched: wait for the buckets and write ``.grad``."""
+        self._armed = False
+        step = self._synced_backwards
+        peer_lost = False
+        try:
             results = [
                 self._runner.result(future, bucket.index, bucket.buffer, step)
                 for bucket, future in zip(self._buckets, self._futures, strict=True)
             ]
             globally_used = self._after_last_bucket(step, results, self._locally_used)
             globally_used = self._static.after_step(self._locally_used, globally_used)
+            if self._locally_used is not None:
+                self._locally_used.zero_()
             for bucket, result in zip(self._buckets, results, strict=True):
                 if bucket.sparse:
                     if globally_used is None or globally_used[bucket.param_indices[0]]:
@@ -509,82 +503,3 @@ class Reducer:
     def _drain_futures(self) -> None:
         """Wait for every launched future so no collective outlives the iteration (errors already raised)."""
         wait_quietly(self._futures)
-
-    # -- torch's Reducer methods that frameworks call, and what torch's DDP methods need --------------------
-    def _rebuild_buckets(self) -> bool:
-        """torch's ``Reducer._rebuild_buckets()``: do the one-time rebuild now if it is due; whether it ran.
-
-        The DDP's forward does it anyway; Lightning calls it again before a manual backward. A collective when
-        due (rank 0's ready order is broadcast), so every rank must call it.
-        """
-        if self._rebuild_order is None:
-            return False
-        with reporting_lost_peers(self._synced_backwards, "rebuilding buckets", self._group):
-            self._rebuild_in_order(self._rebuild_order)
-        self._rebuild_order = None
-        return True
-
-    def _delay_all_reduce(self) -> None:
-        """torch's first-iteration flush of a static graph, which Lightning calls after a manual backward.
-
-        Nothing to do here: a static graph's first iteration is reduced by the end of its backward already
-        (parameters without a gradient are found and marked ready then).
-        """
-
-    def set_static_graph(self) -> None:
-        """Treat the graph as static from now on; only before the first synchronised iteration, as in torch."""
-        if self._synced_backwards or self._armed and self._callback_queued:
-            raise RuntimeError(
-                "gradcomm.DistributedDataParallel._set_static_graph() must be called before the first "
-                f"synchronised iteration ({self._synced_backwards} already ran); pass static_graph=True to the "
-                "constructor instead"
-            )
-        self._static = UsedParameters(len(self._params), True)
-        self._rebuild_done = False
-        self._runner.setup_checked = False  # the ranks compare the new setting at the next synchronised forward
-
-    @property
-    def has_rebuilt_buckets(self) -> bool:
-        return self._has_rebuilt
-
-    @property
-    def hook_name(self) -> str:
-        return self._runner.name
-
-    def bucket_sizes_bytes(self) -> list[int]:
-        """Each bucket's size in bytes (a sparse bucket: its parameter's dense size)."""
-        return [sum(p.numel() * p.element_size() for p in bucket.params) for bucket in self._buckets]
-
-    def can_set_static_graph(self) -> bool:
-        """Whether the iterations so far suggest ``static_graph=True`` would hold (see ``UsedParameters``)."""
-        return self._synced_backwards > 0 and self._static.consistent
-
-    def check_finalized(self) -> None:
-        """Raise if the last synchronised backward left buckets unreduced (torch's ``_check_reducer_finalized``)."""
-        if self._unfinished or (self._armed and self._callback_queued):
-            unready = self._unfinished or [self._names[i] for i in range(len(self._params)) if not self._ready[i]]
-            raise RuntimeError(
-                "gradcomm.DistributedDataParallel: the last backward did not finish reducing: no gradient "
-                f"arrived for {', '.join(unready[:10])}. Pass find_unused_parameters=True if they are unused on "
-                "purpose."
-            )
-
-    def remove_hooks(self) -> None:
-        for handle in self._grad_hook_handles:
-            handle.remove()
-        self._grad_hook_handles = []
-
-
-class _GradReadyHook:
-    """Post-accumulate-grad hook on one parameter; holds the reducer weakly so the DDP can be collected."""
-
-    __slots__ = ("index", "reducer")
-
-    def __init__(self, reducer: weakref.ref[Reducer], index: int) -> None:
-        self.reducer = reducer
-        self.index = index
-
-    def __call__(self, _param: torch.Tensor) -> None:
-        reducer = self.reducer()
-        if reducer is not None:
-            reducer._on_grad_ready(self.index)

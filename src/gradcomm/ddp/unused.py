@@ -10,20 +10,24 @@ used-parameter map, and leave the ``.grad`` of parameters no rank used untouched
 
 from __future__ import annotations
 
+from dataclasses import fields, is_dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["UsedParameters", "parameters_reached"]
+__all__ = ["UsedParameters", "parameters_reached", "tensors_in"]
 
 
-def _tensors_in(value: Any) -> list[torch.Tensor]:
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value``: torch's ``_find_tensors`` (lists, tuples, dicts and dataclasses, nested)."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors_in(item)]
+        return [t for item in value for t in tensors_in(item)]
     if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors_in(item)]
+        return [t for item in value.values() for t in tensors_in(item)]
+    if is_dataclass(value) and not isinstance(value, type):
+        return [t for field in fields(value) for t in tensors_in(getattr(value, field.name))]
     return []
 
 
@@ -31,7 +35,7 @@ def parameters_reached(outputs: Any) -> set[int]:
     """ids of the leaf tensors that ``outputs`` depend on through the autograd graph."""
     reached: set[int] = set()
     stack = []
-    for tensor in _tensors_in(outputs):
+    for tensor in tensors_in(outputs):
         if tensor.grad_fn is not None:
             stack.append(tensor.grad_fn)
         elif tensor.requires_grad:
@@ -64,6 +68,9 @@ class UsedParameters:
         self.globally_used: list[int] | None = None  # static: which parameters some rank used
         self.recorded = False  # static: the first iteration has been recorded
         self.consistent = True  # every iteration so far left the same parameters without a gradient
+        # static: how many gradients each parameter received in the first iteration (reentrant checkpointing
+        # can give one several); later iterations mark it ready at the last of them, as torch does
+        self.hook_counts: list[int] = []
         self._last_unused: tuple[int, ...] | None = None
 
     def reduces_used_map(self, find_unused: bool) -> bool:
@@ -88,4 +95,7 @@ class UsedParameters:
                 self.locally_unused = list(self._last_unused or ())
             elif globally_used is not None:  # a joined rank knows only what no rank used
                 self.locally_unused = [index for index, used in enumerate(globally_used) if not used]
+            if not self.hook_counts:
+                unused = set(self.locally_unused)
+                self.hook_counts = [0 if index in unused else 1 for index in range(self.count)]
         return self.globally_used
