@@ -123,3 +123,15 @@ def test_telemetry(tmp_path: Any, world_size: int) -> None:
         records = [json.loads(line) for line in lines]
         assert [r["step"] for r in records] == [1, 2, 3, 4]
         assert all(r["bytes_sent"] == DENSE_BYTES // 2 and r["hook"] == "fp16_compress_hook" for r in records)
+
+
+def test_sparse_tensors_count_their_indices_and_values() -> None:
+    """A sparse allreduce carries indices and values, not the dense size (an embedding table's gradient)."""
+    from gradcomm.comm.collectives import Traffic
+
+    gradient = torch.sparse_coo_tensor(torch.tensor([[2, 7, 7]]), torch.ones(3, 4), size=(1000, 4))
+    traffic = Traffic()
+    traffic.record("all_reduce", gradient)
+    assert traffic.bytes_sent == {"all_reduce": 3 * 8 + 3 * 4 * 4}  # int64 indices, float32 rows
+    traffic.record("all_reduce", torch.zeros(5))
+    assert traffic.total_bytes == 3 * 8 + 3 * 4 * 4 + 5 * 4

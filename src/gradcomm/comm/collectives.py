@@ -40,6 +40,14 @@ __all__ = [
 ]
 
 
+def _payload_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a collective carries for ``tensor``: a sparse COO tensor sends its indices and values."""
+    if tensor.is_sparse:
+        indices, values = tensor._indices(), tensor._values()
+        return indices.numel() * indices.element_size() + values.numel() * values.element_size()
+    return tensor.numel() * tensor.element_size()
+
+
 @dataclass
 class Traffic:
     """Bytes handed to collectives and number of collective calls, per collective kind, in this process."""
@@ -49,7 +57,7 @@ class Traffic:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record(self, kind: str, *tensors: torch.Tensor) -> None:
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        nbytes = sum(_payload_bytes(t) for t in tensors)
         with self._lock:
             self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + nbytes
             self.calls[kind] = self.calls.get(kind, 0) + 1
