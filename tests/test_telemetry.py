@@ -129,7 +129,9 @@ def test_sparse_tensors_count_their_indices_and_values() -> None:
     """A sparse allreduce carries indices and values, not the dense size (an embedding table's gradient)."""
     from gradcomm.comm.collectives import Traffic
 
-    gradient = torch.sparse_coo_tensor(torch.tensor([[2, 7, 7]]), torch.ones(3, 4), size=(1000, 4))
+    gradient = torch.sparse_coo_tensor(
+        torch.tensor([[2, 7, 7]]), torch.ones(3, 4), size=(1000, 4), check_invariants=True
+    )
     traffic = Traffic()
     traffic.record("all_reduce", gradient)
     assert traffic.bytes_sent == {"all_reduce": 3 * 8 + 3 * 4 * 4}  # int64 indices, float32 rows
