@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 
 def flat_parameters(module: torch.nn.Module) -> np.ndarray:
@@ -21,3 +22,15 @@ def error_text(fn: Callable[[], Any]) -> str:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+class HeadFirst(nn.Module):
+    """Registers its head first but uses it last, so DDP's rebuilt buckets differ from the initial ones."""
+
+    def __init__(self, inputs: int = 16, hidden: int = 64, features: int = 32, outputs: int = 4) -> None:
+        super().__init__()
+        self.head = nn.Linear(features, outputs)
+        self.body = nn.Sequential(nn.Linear(inputs, hidden), nn.Tanh(), nn.Linear(hidden, features), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))

@@ -33,7 +33,7 @@ from torch import nn
 import gradcomm
 from gradcomm.hooks import default_hooks
 from gradcomm.testing import run_on_ranks
-from tests.helpers import error_text, flat_parameters
+from tests.helpers import HeadFirst, error_text, flat_parameters
 
 pytest.importorskip("accelerate")
 
@@ -51,24 +51,6 @@ HOOKS: dict[str, tuple[dict[str, Any], float]] = {
     "powersgd": (POWERSGD, 1e-6),  # the first step is before start_powerSGD_iter: an exact allreduce
     "batched_powersgd": (POWERSGD, 1e-6),
 }
-GRADCOMM_DDP_IS_TORCH_DDP = issubclass(gradcomm.DistributedDataParallel, nn.parallel.DistributedDataParallel)
-needs_torch_subclass = pytest.mark.skipif(
-    not GRADCOMM_DDP_IS_TORCH_DDP,
-    reason="Accelerate's no_sync/join/unwrap need gradcomm.DistributedDataParallel to subclass torch's "
-    "(branch dropin-core)",
-)
-
-
-class HeadFirst(nn.Module):
-    """Registers its head first but uses it last, so DDP's rebuilt buckets differ from the initial ones."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.head = nn.Linear(16, 4)
-        self.body = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
 
 
 HOOK_CALLS = [0]
@@ -83,7 +65,7 @@ def counting_allreduce_hook(state, bucket):
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return HeadFirst()
+    return HeadFirst(inputs=8, hidden=32, features=16)
 
 
 def _batch(rank: int, step: int, size: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,7 +239,6 @@ def test_gradcomm_hooks_on_torch_ddp_under_accelerate() -> None:
     _check_group(run_on_ranks(_accelerate_group, world_size=2, args=("torch",), timeout=220), "torch")
 
 
-@needs_torch_subclass
 @pytest.mark.timeout(240)
 def test_gradcomm_ddp_under_accelerate() -> None:
     _check_group(run_on_ranks(_accelerate_group, world_size=2, args=("gradcomm",), timeout=220), "gradcomm")

@@ -20,18 +20,11 @@ import gradcomm
 from gradcomm.ddp.checkpoint import load_checkpoint, save_checkpoint
 from gradcomm.hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from gradcomm.testing import run_on_ranks
+from tests.helpers import HeadFirst
 
 STEPS, STOP = 8, 4
 
 
-class HeadFirst(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.head = nn.Linear(32, 4)
-        self.body = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
 
 
 def _setup() -> tuple[Any, torch.optim.Optimizer, PowerSGDState]:

@@ -37,20 +37,13 @@ from gradcomm.hooks.parameter_keys import name_parameters
 from gradcomm.hooks.powerSGD_hook import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from gradcomm.testing import run_on_ranks
 from tests.ddp_kinds import make_ddp
+from tests.helpers import HeadFirst
 
 STEPS, STOP = 9, 5
 CAP_MB = 0.004
 METHODS = ("powersgd_rank1", "powersgd_rank2", "batched", "topk")
 
 
-class HeadFirst(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.head = nn.Linear(32, 4)
-        self.body = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
 
 
 def _hook(method: str) -> tuple[Any, Any]:
