@@ -1,0 +1,116 @@
+"""Compute cost of every compression method's hook against allreduce, on the ``gradcomm bench`` workloads.
+
+"Compute ms" is what ``gradcomm bench`` reports in its column of that name
+(:func:`gradcomm.bench.runner._compute_seconds`): the median step time of the workload's model with the hook
+on a process group of one rank, so forward, backward, optimizer and the hook's encoding and decoding are
+counted and the network is not. Here that measurement is repeated ``--reps`` times per hook, the hooks
+interleaved (their order rotated every repetition, so drift on a shared machine hits all alike), and the
+median over repetitions is reported with its ratio to allreduce's. Optionally (``--profile N``) the hooks
+are profiled with ``torch.profiler`` for a few steps and the top ``N`` operators by self CPU time printed.
+
+    python benchmarks/bench_compression.py [--workloads cnn transformer] [--hooks allreduce topk ...]
+        [--reps 5] [--steps 8] [--warmup 5] [--threads 1] [--profile 12 --profile-hooks onebit terngrad]
+
+Hooks default to allreduce and every registered method (:func:`gradcomm.compression.registry.methods`), each
+with its defaults; ``name:key=value`` sets options as in ``gradcomm bench --hooks``.
+"""
+
+import argparse
+import shlex
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+from gradcomm.bench.runner import BenchConfig, HookChoice, _compute_seconds, _train_step, _wrapped
+from gradcomm.bench.workloads import WORKLOADS
+from gradcomm.compression.registry import methods
+from gradcomm.testing import run_on_ranks
+
+BASELINE = "allreduce"
+
+
+def _measure(
+    workload_name: str, hooks: list[str], reps: int, steps: int, warmup: int, threads: int
+) -> dict[str, list[float]]:
+    """Per hook, its compute seconds of each repetition (this process is the only rank of its group)."""
+    torch.set_num_threads(threads)
+    workload = WORKLOADS[workload_name]()
+    choices = [HookChoice.parse(hook) for hook in hooks]
+    config = BenchConfig(workload=workload_name, warmup=warmup, calibration_steps=steps)
+    torch.manual_seed(config.seed)
+    model = workload.build_model()
+    seconds: dict[str, list[float]] = {hook: [] for hook in hooks}
+    for rep in range(reps):
+        shift = rep % len(choices)
+        for hook, choice in list(zip(hooks, choices, strict=True))[shift:] + list(zip(hooks, choices, strict=True))[:shift]:
+            seconds[hook].append(_compute_seconds(workload, model, choice, config, dist.group.WORLD))
+    return seconds
+
+
+def _profile(workload_name: str, hook: str, steps: int, warmup: int, threads: int, rows: int) -> str:
+    """``torch.profiler``'s top ``rows`` operators by self CPU time over ``steps`` steps of ``hook``."""
+    torch.set_num_threads(threads)
+    workload = WORKLOADS[workload_name]()
+    config = BenchConfig(workload=workload_name)
+    torch.manual_seed(config.seed)
+    ddp = _wrapped(workload, workload.build_model(), HookChoice.parse(hook), config, dist.group.WORLD)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=config.lr)
+    for step in range(warmup):
+        _train_step(ddp, optimizer, workload, workload.batch(0, step))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        for step in range(warmup, warmup + steps):
+            _train_step(ddp, optimizer, workload, workload.batch(0, step))
+    return profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def _table(workload: str, seconds: dict[str, list[float]]) -> str:
+    baseline = statistics.median(seconds[BASELINE]) if BASELINE in seconds else None
+    lines = [
+        f"### {workload}",
+        "",
+        "| hook | compute ms (median) | min-max ms | ratio to allreduce |",
+        "|---|---|---|---|",
+    ]
+    for hook, values in seconds.items():
+        median = statistics.median(values)
+        ratio = f"{median / baseline:.2f}" if baseline else "-"
+        lines.append(f"| {hook} | {1e3 * median:.1f} | {1e3 * min(values):.1f}-{1e3 * max(values):.1f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=["cnn", "transformer"], choices=sorted(WORKLOADS))
+    parser.add_argument("--hooks", nargs="+", default=[BASELINE, *methods()])
+    parser.add_argument("--reps", type=int, default=5, help="repetitions per hook (median reported)")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per repetition (their median)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared)")
+    parser.add_argument("--profile", type=int, default=0, help="print this many profiler rows per hook")
+    parser.add_argument("--profile-hooks", nargs="+", default=[], help="hooks to profile (default: all)")
+    args = parser.parse_args(argv)
+    print("$ python benchmarks/bench_compression.py " + shlex.join(sys.argv[1:] if argv is None else argv))
+    timeout = 3600.0
+    for workload in args.workloads:
+        [seconds] = run_on_ranks(
+            _measure,
+            world_size=1,
+            args=(workload, args.hooks, args.reps, args.steps, args.warmup, args.threads),
+            timeout=timeout,
+        )
+        print(_table(workload, seconds), "\n", flush=True)
+        if args.profile:
+            for hook in args.profile_hooks or args.hooks:
+                [table] = run_on_ranks(
+                    _profile,
+                    world_size=1,
+                    args=(workload, hook, args.steps, args.warmup, args.threads, args.profile),
+                    timeout=timeout,
+                )
+                print(f"#### profile: {workload}, {hook}\n```\n{table}```\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()
