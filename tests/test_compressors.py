@@ -24,8 +24,9 @@ from gradcomm.compression import (
     ResidualMemory,
     TernGrad,
     TopK,
+    _numerics,
 )
-from gradcomm.compression._numerics import pack_bits, unpack_bits
+from gradcomm.compression._numerics import pack_bits, top_magnitudes, unpack_bits
 from gradcomm.compression.communicators import compensated_compress
 from gradcomm.compression.registry import methods
 
@@ -232,6 +233,40 @@ def test_bit_packing_round_trip(bits, length, seed):
     packed = pack_bits(codes, bits)
     assert packed.shape == (3, math.ceil(length * bits / 8))
     assert torch.equal(unpack_bits(packed, bits, length), codes)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_bit_packing_wire_format_is_code_i_at_bit_i_times_bits(bits):
+    codes = torch.randint(0, 2**bits, (2, 37), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    per_byte = 8 // bits
+    padded = torch.nn.functional.pad(codes, (0, -37 % per_byte)).reshape(2, -1, per_byte).long()
+    expected = (padded << torch.arange(0, 8, bits)).sum(dim=-1).to(torch.uint8)
+    assert torch.equal(pack_bits(codes, bits), expected)
+
+
+def _spiky(numel: int, seed: int) -> torch.Tensor:
+    """Gaussian values, large exactly where :func:`top_magnitudes` samples: its threshold is then too high."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    x[:: numel // _numerics._SAMPLE] *= 100
+    return x
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.randn(300_000, generator=torch.Generator().manual_seed(0)),  # the sampled-threshold path
+        _spiky(300_000, 1),  # the sample underestimates the top: its threshold finds fewer than k candidates
+        torch.randn(300_000, generator=torch.Generator().manual_seed(2)).index_fill_(0, torch.tensor([5, 9]), math.nan),
+        torch.randn(1000, generator=torch.Generator().manual_seed(3)),  # small: torch.topk itself
+    ],
+    ids=["sampled", "fallback", "nan", "small"],
+)
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.2])
+def test_top_magnitudes_selects_the_set_torch_topk_selects(x, ratio):
+    k = math.ceil(ratio * x.numel())
+    ours = top_magnitudes(x, k)
+    assert ours.numel() == k
+    assert set(ours.tolist()) == set(x.abs().topk(k).indices.tolist())
 
 
 @pytest.mark.parametrize("name", RANDOMIZED)

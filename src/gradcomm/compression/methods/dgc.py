@@ -31,9 +31,10 @@ Trade-offs and use:
   :class:`~gradcomm.compression.base.RandomizedCompressor`), so it follows its parameter when DDP rebuilds
   its buckets, and :meth:`DGC.state_dict` checkpoints it (``torch.load(weights_only=True)``-safe) for an exact
   resume. Called outside any ``stream`` scope, all tensors share the key ``None``: one tensor per instance.
-* Selection is an exact ``torch.topk`` of ``|v|``: a full selection per tensor, deterministic, and identical
-  to :class:`TopK`'s; DGC's sampled threshold estimate (cheaper on very large tensors, k only approximate) is
-  not used, because payload sizes here must depend on the shape alone. DGC's local gradient clipping, its
+* Selection is exact and identical to :class:`TopK`'s
+  (:func:`~gradcomm.compression._numerics.top_magnitudes`): DGC's sampled threshold estimate only narrows
+  the candidates of a ``topk`` on the CPU; k itself never varies with the values, because payload sizes here
+  must depend on the shape alone. DGC's local gradient clipping, its
   exponential sparsity warm-up and the Nesterov variant are left out.
 * Wire format and traffic are top-k's: k values in the gradient's dtype plus k int32 indices (int64 beyond
   2**31 elements), all-gathered (coordinates differ between ranks) and averaged in rank order.
@@ -48,7 +49,7 @@ from typing import Any
 
 import torch
 
-from gradcomm.compression._numerics import index_dtype, sparse_mean, sparse_to_dense
+from gradcomm.compression._numerics import index_dtype, sparse_mean, sparse_to_dense, top_magnitudes
 from gradcomm.compression.base import _STREAM_KEY, Compressor, ErrorFeedback, Payload, TensorSpec
 from gradcomm.compression.communicators import ALLGATHER
 
@@ -104,7 +105,7 @@ class DGC(Compressor, name="dgc", summary="Deep Gradient Compression: momentum-c
         # New tensors every step, never changed once stored: an earlier state_dict() keeps its values.
         u = flat.clone() if self.momentum == 0 else u.reshape(-1) * self.momentum + flat
         v = v.reshape(-1) + u
-        _, indices = v.abs().topk(k, sorted=False)
+        indices = top_magnitudes(v, k)
         values = v[indices]
         u.index_fill_(0, indices, 0)
         v.index_fill_(0, indices, 0)

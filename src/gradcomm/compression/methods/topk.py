@@ -7,9 +7,9 @@ Heafield's experiments and of DGC's final warm-up stage.
 Trade-offs: biased, so error feedback is on by default (DGC's local gradient accumulation; without it the
 dropped 99% is lost). Coordinates differ between ranks, so payloads cannot be summed: they are all-gathered,
 ``world_size * k`` values and indices received per tensor, and the aggregate densifies as ranks disagree.
-Payload: k values in the gradient's dtype plus k int32 indices (int64 beyond 2**31 elements). An exact top-k
-costs a selection over the whole tensor; DGC's sampled threshold estimate, cheaper on very large tensors, is
-not used. DGC's momentum correction, clipping and warm-up belong to the optimizer and are left out.
+Payload: k values in the gradient's dtype plus k int32 indices (int64 beyond 2**31 elements). The selection
+is exact (:func:`~gradcomm.compression._numerics.top_magnitudes`): on the CPU, DGC's sampled threshold only
+narrows the candidates for a ``topk`` of a few times k elements, so k never varies with the values. DGC's momentum correction, clipping and warm-up belong to the optimizer and are left out.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from gradcomm.compression._numerics import index_dtype, sparse_mean, sparse_to_dense
+from gradcomm.compression._numerics import index_dtype, sparse_mean, sparse_to_dense, top_magnitudes
 from gradcomm.compression.base import Compressor, ErrorFeedback, Payload, TensorSpec
 from gradcomm.compression.communicators import ALLGATHER
 
@@ -42,7 +42,7 @@ class TopK(Compressor, name="topk", summary="top-k sparsification, error feedbac
 
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, TensorSpec]:
         flat = tensor.reshape(-1)
-        _, indices = flat.abs().topk(self.k(flat.numel()), sorted=False)
+        indices = top_magnitudes(flat, self.k(flat.numel()))
         indices_dtype = index_dtype(flat.numel())
         return [flat[indices], indices.to(indices_dtype)], TensorSpec.of(tensor)
 
