@@ -18,6 +18,7 @@ __all__ = [
     "ordered_mean",
     "pack_bits",
     "pack_signs",
+    "random_subset",
     "safe_divide",
     "safe_mean_abs",
     "safe_norm",
@@ -180,6 +181,28 @@ def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
     if candidates.numel() < k:
         return magnitudes.topk(k, sorted=False).indices
     return candidates[magnitudes[candidates].topk(k, sorted=False).indices]
+
+
+def random_subset(numel: int, k: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """``k`` distinct indices of ``range(numel)``, a uniformly random subset in random order (as
+    ``randperm(numel)[:k]``, whose cost grows with ``numel`` however small ``k`` is).
+
+    On the CPU, for ``k`` up to a quarter of ``numel``: draws with replacement, and the first ``k`` distinct
+    draws in drawing order (sequential rejection sampling: each new index is uniform over those not drawn yet),
+    at a cost that grows with ``k``. The draws depend only on the generator, so ranks sharing a seed agree.
+    """
+    if device.type != "cpu" or 4 * k > numel:
+        return torch.randperm(numel, generator=generator, device=device)[:k]
+    draws = torch.empty(0, dtype=torch.int64, device=device)
+    while True:  # one round but for about one time in a million
+        more = torch.randint(numel, (k + k // 8 + 16,), generator=generator, device=device)
+        draws = torch.cat([draws, more])
+        distinct, which = torch.unique(draws, return_inverse=True)
+        if distinct.numel() >= k:
+            break
+    positions = torch.arange(draws.numel(), device=device)
+    first = torch.full_like(distinct, draws.numel()).scatter_reduce_(0, which, positions, "amin")
+    return distinct[first.argsort()[:k]]
 
 
 def sparse_to_dense(values: torch.Tensor, indices: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:

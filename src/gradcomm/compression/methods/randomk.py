@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from gradcomm.compression._numerics import work_dtype
+from gradcomm.compression._numerics import random_subset, work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompressor, TensorSpec
 from gradcomm.compression.communicators import ALLREDUCE
 
@@ -52,7 +52,7 @@ class RandomK(
         flat = tensor.reshape(-1)
         numel = flat.numel()
         k = min(numel, max(1, math.ceil(self.ratio * numel)))
-        indices = torch.randperm(numel, generator=self.generator(flat.device), device=flat.device)[:k]
+        indices = random_subset(numel, k, self.generator(flat.device), flat.device)
         scale = numel / k if self.unbiased else 1.0
         return [flat[indices]], (indices, TensorSpec.of(tensor), scale)
 
