@@ -6,10 +6,13 @@ on a process group of one rank, so forward, backward, optimizer and the hook's e
 counted and the network is not. Here that measurement is repeated ``--reps`` times per hook, the hooks
 interleaved (their order rotated every repetition, so drift on a shared machine hits all alike), and the
 median over repetitions is reported with its ratio to allreduce's. Optionally (``--profile N``) the hooks
-are profiled with ``torch.profiler`` for a few steps and the top ``N`` operators by self CPU time printed.
+are profiled with ``torch.profiler`` for a few steps; ``--hook-only`` times the hook alone instead (one call
+on all the model's gradients as one bucket, no model), the encoding and decoding cost without the noise of
+forward and backward and the top ``N`` operators by self CPU time printed.
 
     python benchmarks/bench_compression.py [--workloads cnn transformer] [--hooks allreduce topk ...]
-        [--reps 5] [--steps 8] [--warmup 5] [--threads 1] [--profile 12 --profile-hooks onebit terngrad]
+        [--reps 5] [--steps 8] [--warmup 5] [--threads 1] [--hook-only]
+        [--profile 12 --profile-hooks onebit terngrad]
 
 Hooks default to allreduce and every registered method (:func:`gradcomm.compression.registry.methods`), each
 with its defaults; ``name:key=value`` sets options as in ``gradcomm bench --hooks``.
@@ -19,6 +22,7 @@ import argparse
 import shlex
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,6 +30,8 @@ import torch.distributed as dist
 from gradcomm.bench.runner import BenchConfig, HookChoice, _compute_seconds, _train_step, _wrapped
 from gradcomm.bench.workloads import WORKLOADS
 from gradcomm.compression.registry import methods
+from gradcomm.hooks.grad_bucket import GradBucket
+from gradcomm.hooks.registry import make_comm_hook
 from gradcomm.testing import run_on_ranks
 
 BASELINE = "allreduce"
@@ -49,6 +55,31 @@ def _measure(
     return seconds
 
 
+def _hook_seconds(workload_name: str, hooks: list[str], reps: int, threads: int) -> dict[str, list[float]]:
+    """Per hook, seconds of one call of the hook on all the workload's gradients as one bucket (fixed random
+    values, a fresh hook state per repetition after two untimed calls): encoding and decoding alone."""
+    torch.set_num_threads(threads)
+    workload = WORKLOADS[workload_name]()
+    torch.manual_seed(0)
+    parameters = [p for p in workload.build_model().parameters() if p.requires_grad]
+    lengths = [p.numel() for p in parameters]
+    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    buffer = torch.randn(sum(lengths))
+    bucket = GradBucket(0, buffer, offsets, lengths, [p.shape for p in parameters], parameters, is_last=True)
+    seconds: dict[str, list[float]] = {hook: [] for hook in hooks}
+    for rep in range(reps):
+        shift = rep % len(hooks)
+        for hook in hooks[shift:] + hooks[:shift]:
+            choice = HookChoice.parse(hook)
+            fn, state = make_comm_hook(choice.name, process_group=dist.group.WORLD, **dict(choice.options))
+            for _ in range(2):
+                fn(state, bucket).wait()
+            start = time.perf_counter()
+            fn(state, bucket).wait()
+            seconds[hook].append(time.perf_counter() - start)
+    return seconds
+
+
 def _profile(workload_name: str, hook: str, steps: int, warmup: int, threads: int, rows: int) -> str:
     """``torch.profiler``'s top ``rows`` operators by self CPU time over ``steps`` steps of ``hook``."""
     torch.set_num_threads(threads)
@@ -65,12 +96,12 @@ def _profile(workload_name: str, hook: str, steps: int, warmup: int, threads: in
     return profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
-def _table(workload: str, seconds: dict[str, list[float]]) -> str:
+def _table(workload: str, seconds: dict[str, list[float]], what: str = "compute ms") -> str:
     baseline = statistics.median(seconds[BASELINE]) if BASELINE in seconds else None
     lines = [
-        f"### {workload}",
+        f"### {workload}: {what}",
         "",
-        "| hook | compute ms (median) | min-max ms | ratio to allreduce |",
+        f"| hook | {what} (median) | min-max ms | ratio to allreduce |",
         "|---|---|---|---|",
     ]
     for hook, values in seconds.items():
@@ -88,12 +119,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per repetition (their median)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared)")
+    parser.add_argument(
+        "--hook-only", action="store_true", help="time the hook alone on one bucket of all gradients instead"
+    )
     parser.add_argument("--profile", type=int, default=0, help="print this many profiler rows per hook")
     parser.add_argument("--profile-hooks", nargs="+", default=[], help="hooks to profile (default: all)")
     args = parser.parse_args(argv)
     print("$ python benchmarks/bench_compression.py " + shlex.join(sys.argv[1:] if argv is None else argv))
     timeout = 3600.0
     for workload in args.workloads:
+        if args.hook_only:
+            [seconds] = run_on_ranks(
+                _hook_seconds, world_size=1, args=(workload, args.hooks, args.reps, args.threads), timeout=timeout
+            )
+            print(_table(workload, seconds, "hook ms"), "\n", flush=True)
+            continue
         [seconds] = run_on_ranks(
             _measure,
             world_size=1,
