@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 
 __all__ = [
+    "as_uint8",
     "index_dtype",
     "ordered_mean",
     "pack_bits",
@@ -53,8 +54,10 @@ def ordered_mean(tensors: Iterable[torch.Tensor], count: int) -> torch.Tensor:
 
 
 def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-    """``numerator / denominator``, and 0 where the denominator is 0."""
-    return torch.where(denominator == 0, torch.zeros_like(numerator), numerator / _nonzero(denominator))
+    """``numerator / denominator``, and 0 where the denominator is 0 (for a finite numerator; -0 where it is
+    negative there). The mask has the denominator's shape, often one value per row or tensor: a full-size
+    ``torch.where`` on a broadcast mask costs many times this multiplication on the CPU."""
+    return numerator / _nonzero(denominator) * (denominator != 0)
 
 
 def _max_abs(x: torch.Tensor, dim: int | None) -> torch.Tensor:
@@ -99,7 +102,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """
     if bits not in (1, 2, 4, 8):
         raise ValueError(f"pack_bits: bits must be 1, 2, 4 or 8, got {bits}")
-    codes = _as_uint8(codes)
+    codes = as_uint8(codes)
     if bits == 8:
         return codes
     length = codes.shape[-1]
@@ -113,7 +116,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return packed.reshape(*codes.shape[:-1], -1)[..., : -(-length * bits // 8)]
 
 
-def _as_uint8(codes: torch.Tensor) -> torch.Tensor:
+def as_uint8(codes: torch.Tensor) -> torch.Tensor:
     """``codes`` as uint8; booleans are reinterpreted in place, floats go through int32 (several times faster
     on the CPU than a direct float-to-uint8 conversion, and the same for codes in 0..255)."""
     if codes.dtype == torch.bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from gradcomm.compression._numerics import safe_divide, work_dtype
+from gradcomm.compression._numerics import as_uint8, safe_divide, work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, RowwiseCompressor
 from gradcomm.compression.communicators import TwoStageAllreduce
 
@@ -36,12 +36,11 @@ class ByteGrad(
 
     def compress_rows(self, rows: torch.Tensor) -> tuple[Payload, torch.dtype]:
         work = rows.to(work_dtype(rows.dtype))
-        low = work.amin(dim=1, keepdim=True)
-        high = work.amax(dim=1, keepdim=True)
+        low, high = torch.aminmax(work, dim=1, keepdim=True)
         # Halve everything where the range itself overflows (max - min beyond the dtype's largest value).
         half = torch.where(torch.isfinite(high - low), 1.0, 0.5).to(work.dtype)
         position = safe_divide(work * half - low * half, high * half - low * half)
-        codes = (position * _LEVELS).round_().clamp_(0, _LEVELS).to(torch.uint8)
+        codes = as_uint8(position.mul_(_LEVELS).round_().clamp_(0, _LEVELS))
         return [codes, low, high], rows.dtype
 
     def decompress_rows(self, payload: Payload, ctx: torch.dtype) -> torch.Tensor:

@@ -56,7 +56,7 @@ class QSGD(RandomizedCompressor, name="qsgd", summary="QSGD stochastic quantizat
             scaled.shape, generator=self.generator(flat.device), dtype=scaled.dtype, device=flat.device
         )
         levels = (scaled + noise).floor_().clamp_(max=self.levels)
-        codes = torch.where(buckets < 0, -levels, levels) + self.levels
+        codes = buckets.sign().mul_(levels).add_(self.levels)
         return [pack_bits(codes.reshape(-1), self._bits), norms.reshape(-1)], TensorSpec.of(tensor)
 
     def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:

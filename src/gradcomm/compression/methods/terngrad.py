@@ -45,13 +45,15 @@ class TernGrad(RandomizedCompressor, name="terngrad", summary="TernGrad ternary 
             bound = torch.where(
                 std > 0, self.clip * std, flat.abs().amax()
             )  # a constant tensor is not clipped
-            flat = torch.minimum(torch.maximum(flat, -bound), bound)
-        scale = flat.abs().amax()
+            flat = flat.clamp(-bound, bound)
+        magnitude = flat.abs()
+        scale = magnitude.amax()
         noise = torch.rand(
             flat.shape, generator=self.generator(flat.device), dtype=flat.dtype, device=flat.device
         )
-        keep = noise < safe_divide(flat.abs(), scale)
-        codes = torch.where(keep, torch.where(flat < 0, 0, 2), 1)
+        # keep (as 1, else 0) where noise < |x| / scale: the difference is in (-1, 1], so its ceiling is 0 or 1
+        keep = safe_divide(magnitude, scale).sub_(noise).ceil_()
+        codes = flat.sign().mul_(keep).add_(1)  # 0, 1, 2 for -scale, 0, +scale
         return [pack_bits(codes, 2), scale.reshape(1)], TensorSpec.of(tensor)
 
     def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
