@@ -110,7 +110,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     words = padded.reshape(*codes.shape[:-1], -1, 8).view(torch.int64)
     width, spacing = bits, 8
     while width < 8:
-        words = (words | (words >> (spacing - width))) & _field_mask(2 * width, 2 * spacing)
+        words = (words | (words >> (spacing - width))).bitwise_and_(_field_mask(2 * width, 2 * spacing))
         width, spacing = 2 * width, 2 * spacing
     packed = words.view(torch.uint8)[..., :: 8 // bits]
     return packed.reshape(*codes.shape[:-1], -1)[..., : -(-length * bits // 8)]
