@@ -1,9 +1,14 @@
-"""Overflow- and underflow-safe reductions and bit packing shared by the compressors.
+"""Overflow- and underflow-safe reductions, bit packing and sparse selection shared by the compressors.
 
 Gradients reach 1e30 and the subnormal range in practice (loss scaling, exploding layers); a plain
 ``vector_norm`` squares them into ``inf`` or ``0``. Everything here divides by the largest magnitude first and
-works on any device (no host synchronisation), so compressors built from these pieces stay finite and
-NCCL-ready.
+works on any device (no host synchronisation on accelerators: the selections :func:`top_magnitudes` and
+:func:`random_subset` take their faster, data-dependent paths only on the CPU), so compressors built from these
+pieces stay finite and NCCL-ready.
+
+The hot paths avoid what is slow on the CPU (``benchmarks/bench_compression.py`` measures them): full-size
+``torch.where`` on broadcast boolean masks, ``topk`` and ``randperm`` over a whole tensor for a few
+percent of it, float-to-uint8 conversions and reductions along a leading axis.
 """
 
 from __future__ import annotations
