@@ -244,6 +244,12 @@ def test_bit_packing_wire_format_is_code_i_at_bit_i_times_bits(bits):
     assert torch.equal(pack_bits(codes, bits), expected)
 
 
+def test_bit_packing_of_views_at_any_offset():
+    codes = torch.randint(0, 2, (40,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    for view in (codes[1:33], codes[8:24], codes.view(4, 10)[:, 1:9], codes.view(5, 8).t()):
+        assert torch.equal(unpack_bits(pack_bits(view, 1), 1, view.shape[-1]), view)
+
+
 def _spiky(numel: int, seed: int) -> torch.Tensor:
     """Gaussian values, large exactly where :func:`top_magnitudes` samples: its threshold is then too high."""
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))

@@ -112,7 +112,8 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return codes
     length = codes.shape[-1]
-    padded = torch.nn.functional.pad(codes, (0, -length % 8)) if length % 8 else codes.contiguous()
+    aligned = length % 8 == 0 and codes.is_contiguous() and codes.storage_offset() % 8 == 0
+    padded = codes if aligned else torch.nn.functional.pad(codes, (0, -length % 8))  # a fresh, aligned copy
     words = padded.reshape(*codes.shape[:-1], -1, 8).view(torch.int64)
     width, spacing = bits, 8
     while width < 8:
