@@ -26,7 +26,7 @@ from gradcomm.compression import (
     TopK,
     _numerics,
 )
-from gradcomm.compression._numerics import pack_bits, top_magnitudes, unpack_bits
+from gradcomm.compression._numerics import decode_bits, pack_bits, top_magnitudes, unpack_bits
 from gradcomm.compression.communicators import compensated_compress
 from gradcomm.compression.registry import methods
 
@@ -242,6 +242,15 @@ def test_bit_packing_wire_format_is_code_i_at_bit_i_times_bits(bits):
     padded = torch.nn.functional.pad(codes, (0, -37 % per_byte)).reshape(2, -1, per_byte).long()
     expected = (padded << torch.arange(0, 8, bits)).sum(dim=-1).to(torch.uint8)
     assert torch.equal(pack_bits(codes, bits), expected)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_decode_bits_looks_up_each_code_in_its_rows_values(bits):
+    codes = torch.randint(0, 2**bits, (3, 21), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    values = torch.randn(3, 2**bits, generator=torch.Generator().manual_seed(7))
+    packed = pack_bits(codes, bits)
+    assert torch.equal(decode_bits(packed, bits, 21, values), values.gather(1, codes.long()))
+    assert torch.equal(decode_bits(packed, bits, 21, values[1]), values[1][codes.long()])
 
 
 def test_bit_packing_of_views_at_any_offset():

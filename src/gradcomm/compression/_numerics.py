@@ -20,12 +20,14 @@ import torch
 
 __all__ = [
     "as_uint8",
+    "decode_bits",
     "index_dtype",
     "ordered_mean",
     "pack_bits",
     "pack_signs",
     "random_subset",
     "safe_divide",
+    "sign_values",
     "safe_mean_abs",
     "safe_norm",
     "safe_rms",
@@ -139,25 +141,36 @@ def _field_mask(width: int, spacing: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _code_table(bits: int, dtype: torch.dtype, device: torch.device, signs: bool = False) -> torch.Tensor:
-    """Row ``b``: the ``8 // bits`` codes packed in byte ``b`` as ``dtype`` (``signs``: 1-bit codes as
-    ``+1``/``-1``); decoding is then one lookup per byte."""
+def _byte_codes(bits: int, device: torch.device) -> torch.Tensor:
+    """Row ``b``: the ``8 // bits`` codes packed in byte ``b`` (int64, to index a table of code values)."""
     byte = torch.arange(256, device=device).unsqueeze(1)
-    shifts = torch.arange(0, 8, bits, device=device)
-    codes = (byte >> shifts) & ((1 << bits) - 1)
-    return (codes * 2 - 1 if signs else codes).to(dtype)
+    return (byte >> torch.arange(0, 8, bits, device=device)) & ((1 << bits) - 1)
 
 
-def _lookup(packed: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
-    rows = table.index_select(0, packed.reshape(-1).to(torch.int32))
-    return rows.reshape(*packed.shape[:-1], -1)[..., :length]
+def decode_bits(packed: torch.Tensor, bits: int, length: int, values: torch.Tensor) -> torch.Tensor:
+    """The first ``length`` codes of :func:`pack_bits` along the last dimension, each replaced by its value:
+    ``values[code]``, with ``values`` of shape ``(2**bits,)``, or ``values[row, code]`` with one row of values
+    per row of ``packed`` (shape ``(*packed.shape[:-1], 2**bits)``: per-row scales).
+
+    Decoding is one lookup per byte in a table of the 256 byte patterns' values, so the values (signs times a
+    scale, say) cost no pass of their own over the result; the result has ``values``' dtype.
+    """
+    patterns = _byte_codes(bits, packed.device)
+    rows = packed.reshape(-1, packed.shape[-1]).to(torch.int32)
+    if values.dim() == 1:
+        table = values[patterns]
+    else:  # one table per row, side by side: row r's bytes index rows 256 * r onwards
+        table = values.reshape(-1, 2**bits)[:, patterns].reshape(-1, patterns.shape[1])
+        rows += 256 * torch.arange(rows.shape[0], dtype=torch.int32, device=packed.device).unsqueeze(1)
+    decoded = table.index_select(0, rows.reshape(-1))
+    return decoded.reshape(*packed.shape[:-1], -1)[..., :length]
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: the first ``length`` codes along the last dimension, as uint8."""
     if bits == 8:
         return packed[..., :length]
-    return _lookup(packed, _code_table(bits, torch.uint8, packed.device), length)
+    return decode_bits(packed, bits, length, torch.arange(2**bits, dtype=torch.uint8, device=packed.device))
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
@@ -166,8 +179,13 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_signs(packed: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`pack_signs` as ``+1``/``-1`` of ``dtype`` (looked up directly in that dtype)."""
-    return _lookup(packed, _code_table(1, dtype, packed.device, signs=True), length)
+    """Inverse of :func:`pack_signs` as ``+1``/``-1`` of ``dtype``."""
+    return decode_bits(packed, 1, length, sign_values(dtype, packed.device))
+
+
+def sign_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The values of sign codes 0 and 1 (:func:`pack_signs`): ``[-1, +1]``; times a scale, for :func:`decode_bits`."""
+    return torch.tensor([-1, 1], dtype=dtype, device=device)
 
 
 # -- sparse payloads: values at indices (top-k, DGC) ------------------------------------------------------------

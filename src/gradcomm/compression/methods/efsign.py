@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from gradcomm.compression._numerics import pack_signs, safe_mean_abs, unpack_signs, work_dtype
+from gradcomm.compression._numerics import decode_bits, pack_signs, safe_mean_abs, sign_values, work_dtype
 from gradcomm.compression.base import Compressor, ErrorFeedback, Payload, TensorSpec
 from gradcomm.compression.communicators import ALLGATHER
 
@@ -33,4 +33,5 @@ class EFSignSGD(Compressor, name="efsign", summary="scaled sign with error feedb
 
     def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
         bits, scale = payload
-        return (unpack_signs(bits, ctx.numel, scale.dtype) * scale).to(ctx.dtype).view(ctx.shape)
+        values = (sign_values(scale.dtype, scale.device) * scale).to(ctx.dtype)
+        return decode_bits(bits, 1, ctx.numel, values).view(ctx.shape)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from gradcomm.compression._numerics import pack_signs, safe_rms, unpack_signs, work_dtype
+from gradcomm.compression._numerics import decode_bits, pack_signs, safe_rms, sign_values, work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, RowwiseCompressor
 from gradcomm.compression.communicators import TwoStageAllreduce
 
@@ -40,4 +40,4 @@ class OneBit(RowwiseCompressor, name="onebit", summary="two-stage error-compensa
     def decompress_rows(self, payload: Payload, ctx: tuple[int, torch.dtype]) -> torch.Tensor:
         bits, scale = payload
         length, dtype = ctx
-        return (unpack_signs(bits, length, scale.dtype) * scale).to(dtype)
+        return decode_bits(bits, 1, length, (sign_values(scale.dtype, scale.device) * scale).to(dtype))

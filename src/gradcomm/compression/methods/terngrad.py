@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from gradcomm.compression._numerics import pack_bits, safe_divide, safe_std, unpack_bits, work_dtype
+from gradcomm.compression._numerics import decode_bits, pack_bits, safe_divide, safe_std, work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompressor, TensorSpec
 from gradcomm.compression.communicators import ALLGATHER
 
@@ -58,5 +58,5 @@ class TernGrad(RandomizedCompressor, name="terngrad", summary="TernGrad ternary 
 
     def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
         packed, scale = payload
-        ternary = unpack_bits(packed, 2, ctx.numel).to(scale.dtype) - 1
-        return (ternary * scale).to(ctx.dtype).view(ctx.shape)
+        ternary = torch.arange(4, dtype=scale.dtype, device=scale.device) - 1  # code 3 is never sent
+        return decode_bits(packed, 2, ctx.numel, (ternary * scale).to(ctx.dtype)).view(ctx.shape)
