@@ -8,7 +8,8 @@ allows it (signSGD's majority vote does not: a residual of a vote is meaningless
 was 1.84 here, without it 0.005), and random-k runs in its memory-based form (unscaled, Stich et al. 2018;
 the unbiased 1/k rescaling is for use without memory) at 5% of coordinates: at 1% its result depends on which
 coordinates its seed draws far more than on the code (held-out loss 0.27 to 0.52 over seeds 0-3, measured),
-at 5% it was 0.13 to 0.40 over the same seeds.
+at 5% it was 0.13 to 0.40 over the same
+seeds (both measured with the sampler that preceded ``random_subset``).
 
 Margin: held-out cross-entropy at most 0.5 nats above allreduce's. Chance level is ln(10) = 2.30 and
 allreduce reaches about 0.01, so 0.5 still means a model that has learned the task (measured worst: random-k,
