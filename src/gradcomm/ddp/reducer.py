@@ -115,6 +115,17 @@ class Reducer(ReducerSurface):
             for index, param in enumerate(self._params)
         ]
 
+    @property
+    def _grad_scale(self) -> float:
+        """The default reduction's factor, ``1 / world size`` (``join()`` may change it)."""
+        return self._scale.item()
+
+    @_grad_scale.setter
+    def _grad_scale(self, value: float) -> None:
+        # Kept as a float64 0-dim tensor: multiplying by it gives the same floats as by the Python number (the
+        # kernel reads either as the gradient's compute type), without wrapping the number per gradient.
+        self._scale = torch.tensor(value, dtype=torch.float64)
+
     def _fail(self, exc: BaseException) -> None:
         self._runner.fail(exc)
         self._armed = False
@@ -303,11 +314,15 @@ class Reducer(ReducerSurface):
         grad = param.grad
         if grad is None:
             view.zero_()
-        elif grad is not view and not same_tensor(grad, view):
+        else:
             if grad.requires_grad:
                 grad = self._graph_gradient_value(grad)
-            view.copy_(grad)  # the default reduction divides the whole bucket at launch (_launch_ready_buckets)
-            if self._as_view:
+            in_bucket = grad is view or same_tensor(grad, view)
+            if self._runner.averages_itself:
+                torch.mul(grad, self._scale, out=view)  # as torch: pre-divide each gradient, then sum
+            elif not in_bucket:
+                view.copy_(grad)
+            if self._as_view and not in_bucket:
                 param.grad = view
         self._pending[bucket.index] -= 1
         if self._pending[bucket.index] == 0:
@@ -343,10 +358,6 @@ class Reducer(ReducerSurface):
         try:
             while self._next_bucket < len(self._buckets) and self._pending[self._next_bucket] == 0:
                 bucket = self._buckets[self._next_bucket]
-                if self._runner.averages_itself and not bucket.sparse:
-                    # as torch, pre-divide then sum; one pass over the bucket instead of one per gradient gives
-                    # the same floats (each element is multiplied once by the same factor either way)
-                    bucket.buffer.mul_(self._grad_scale)
                 if self._check_finite:
                     check_bucket_finite(bucket, self._names, self._synced_backwards)
                 if bucket.index == 0:
