@@ -16,8 +16,8 @@ steps and dumped at a call of ``getpgrp`` just after them, so neither start-up n
 from __future__ import annotations
 
 import argparse
-import cProfile
 import copy
+import cProfile
 import os
 import pstats
 import subprocess
