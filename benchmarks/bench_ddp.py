@@ -1,10 +1,15 @@
 """Step time of gradcomm's DistributedDataParallel against torch's, side by side in one run.
 
-Two gloo ranks on this machine, one thread each, the same ~6M-parameter MLP wrapped by both DDPs. Steps
+Two gloo ranks on this machine, one thread each, the same ~6M-parameter model wrapped by both DDPs. Steps
 alternate between the two (the order flips every repetition, so neither always runs second), and the report
 is the median step-time ratio gradcomm/torch over several repetitions, plus the medians themselves.
 
     python benchmarks/bench_ddp.py [--reps 5 --steps 20 --world-size 2 --bucket-cap-mb 25]
+    python benchmarks/bench_ddp.py --shape narrow   # the same size in 1602 parameter tensors
+
+Shapes (``--width``/``--depth`` override their defaults): ``mlp``, 6 square layers of 1000 and a head (14
+parameter tensors); ``narrow``, 400 blocks of a square layer of 128 with a LayerNorm, and a head (1602
+tensors), where the DDP's per-tensor cost dominates.
 """
 
 from __future__ import annotations
@@ -19,12 +24,17 @@ import torch.distributed as dist
 from torch import nn
 
 import gradcomm
-from gradcomm.bench.timing import mlp, timed_step
+from gradcomm.bench.timing import mlp, narrow_mlp, timed_step
 from gradcomm.testing import run_on_ranks
 
+SHAPES = {"mlp": (mlp, 1000, 6), "narrow": (narrow_mlp, 128, 400)}
+"""Each shape's model builder and its default width and depth."""
 
-def measure(reps: int, steps: int, width: int, depth: int, bucket_cap_mb: float | None) -> dict[str, object]:
-    module = mlp(width, depth)
+
+def measure(
+    reps: int, steps: int, shape: str, width: int, depth: int, bucket_cap_mb: float | None
+) -> dict[str, object]:
+    module = SHAPES[shape][0](width, depth)
     kinds = {
         "torch": nn.parallel.DistributedDataParallel(copy.deepcopy(module), bucket_cap_mb=bucket_cap_mb),
         "gradcomm": gradcomm.DistributedDataParallel(copy.deepcopy(module), bucket_cap_mb=bucket_cap_mb),
@@ -46,7 +56,7 @@ def measure(reps: int, steps: int, width: int, depth: int, bucket_cap_mb: float 
             medians[name].append(statistics.median(times[name]))
     ratios = [ours / theirs for ours, theirs in zip(medians["gradcomm"], medians["torch"], strict=True)]
     params = sum(p.numel() for p in module.parameters())
-    return {"params": params, "medians": medians, "ratios": ratios}
+    return {"params": params, "tensors": len(list(module.parameters())), "medians": medians, "ratios": ratios}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,19 +64,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--width", type=int, default=1000)
-    parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="mlp")
+    parser.add_argument("--width", type=int, default=None, help="default: the shape's (mlp 1000, narrow 128)")
+    parser.add_argument("--depth", type=int, default=None, help="default: the shape's (mlp 6, narrow 400)")
     parser.add_argument("--bucket-cap-mb", type=float, default=None)
     args = parser.parse_args(argv)
+    _, default_width, default_depth = SHAPES[args.shape]
+    width = default_width if args.width is None else args.width
+    depth = default_depth if args.depth is None else args.depth
     result = run_on_ranks(
         measure,
         args.world_size,
-        args=(args.reps, args.steps, args.width, args.depth, args.bucket_cap_mb),
+        args=(args.reps, args.steps, args.shape, width, depth, args.bucket_cap_mb),
         timeout=1800,
     )[0]
     medians, ratios = result["medians"], result["ratios"]
     print(f"command: python benchmarks/bench_ddp.py {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip())
-    print(f"model: {result['params'] / 1e6:.2f}M parameters, {args.world_size} gloo ranks, 1 thread each")
+    print(
+        f"model: {args.shape} {width}x{depth}, {result['params'] / 1e6:.2f}M parameters in {result['tensors']} "
+        f"tensors, {args.world_size} gloo ranks, 1 thread each"
+    )
     print("| rep | torch median step (ms) | gradcomm median step (ms) | ratio gradcomm/torch |")
     print("|---|---|---|---|")
     for rep, (t, g, r) in enumerate(zip(medians["torch"], medians["gradcomm"], ratios, strict=True)):

@@ -115,6 +115,17 @@ class Reducer(ReducerSurface):
             for index, param in enumerate(self._params)
         ]
 
+    @property
+    def _grad_scale(self) -> float:
+        """The default reduction's factor, ``1 / world size`` (``join()`` may change it)."""
+        return self._scale.item()
+
+    @_grad_scale.setter
+    def _grad_scale(self, value: float) -> None:
+        # Kept as a float64 0-dim tensor: multiplying by it gives the same floats as by the Python number (the
+        # kernel reads either as the gradient's compute type), without wrapping the number per gradient.
+        self._scale = torch.tensor(value, dtype=torch.float64)
+
     def _fail(self, exc: BaseException) -> None:
         self._runner.fail(exc)
         self._armed = False
@@ -303,23 +314,21 @@ class Reducer(ReducerSurface):
         grad = param.grad
         if grad is None:
             view.zero_()
-        elif not self._runner.averages_itself:
-            if not same_tensor(grad, view):
-                view.copy_(grad)
         else:
-            try:
-                torch.mul(grad, self._grad_scale, out=view)  # as torch: pre-divide, then sum
-            except RuntimeError:
-                if not grad.requires_grad:
-                    raise
-                self._copy_graph_gradient(grad, view)
-        if self._as_view and grad is not None and not same_tensor(grad, view):
-            param.grad = view
+            if grad.requires_grad:
+                grad = self._graph_gradient_value(grad)
+            in_bucket = grad is view or same_tensor(grad, view)
+            if self._runner.averages_itself:
+                torch.mul(grad, self._scale, out=view)  # as torch: pre-divide each gradient, then sum
+            elif not in_bucket:
+                view.copy_(grad)
+            if self._as_view and not in_bucket:
+                param.grad = view
         self._pending[bucket.index] -= 1
         if self._pending[bucket.index] == 0:
             self._launch_ready_buckets()
 
-    def _copy_graph_gradient(self, grad: torch.Tensor, view: torch.Tensor) -> None:
+    def _graph_gradient_value(self, grad: torch.Tensor) -> torch.Tensor:
         """``backward(create_graph=True)``: as torch, the bucket takes the gradient's value, outside the graph
         (the higher-order gradient is not synchronised)."""
         if not self._warned_create_graph:
@@ -329,8 +338,7 @@ class Reducer(ReducerSurface):
                 "the gradients are averaged, but the higher-order gradient is not synchronised across ranks.",
                 stacklevel=2,
             )
-        with torch.no_grad():
-            torch.mul(grad.detach(), self._grad_scale, out=view)
+        return grad.detach()
 
     def _mark_sparse_ready(self, index: int) -> None:
         """:meth:`_mark_ready` for a parameter with a sparse gradient (a bucket of its own; see ddp/sparse.py)."""
@@ -489,16 +497,26 @@ class Reducer(ReducerSurface):
         return globally_used
 
     def _write_gradients(self, bucket: Bucket, globally_used: list[int] | None) -> None:
-        for index, param, view in zip(bucket.param_indices, bucket.params, bucket.views, strict=True):
-            if globally_used is not None and not globally_used[index]:
-                continue  # unused on every rank: .grad is left as it was, as torch does
-            if self._as_view:
-                if param.grad is None or not same_tensor(param.grad, view):
+        """Give ``bucket``'s parameters their reduced gradients: the bucket's views (``gradient_as_bucket_view``)
+        or copies of them, into the existing ``.grad`` tensors with one call per bucket."""
+        params, views = bucket.params, bucket.views
+        if globally_used is not None:  # unused on every rank: .grad is left as it was, as torch does
+            used = [k for k, index in enumerate(bucket.param_indices) if globally_used[index]]
+            params, views = [params[k] for k in used], [views[k] for k in used]
+        grads = [param.grad for param in params]
+        if self._as_view:
+            for param, grad, view in zip(params, grads, views, strict=True):
+                if grad is not view and (grad is None or not same_tensor(grad, view)):
                     param.grad = view
-            elif param.grad is None:
-                param.grad = view.clone()
-            else:
-                param.grad.copy_(view)
+            return
+        existing = [k for k, grad in enumerate(grads) if grad is not None]
+        if len(existing) < len(grads):
+            for k, (param, grad) in enumerate(zip(params, grads, strict=True)):
+                if grad is None:
+                    param.grad = views[k].clone()
+            grads, views = [grads[k] for k in existing], [views[k] for k in existing]
+        if grads:
+            torch._foreach_copy_(grads, views)
 
     def _drain_futures(self) -> None:
         """Wait for every launched future so no collective outlives the iteration (errors already raised)."""

@@ -1,0 +1,122 @@
+"""Per-step cost of a DDP on one rank, counted exactly: valgrind's instructions, or cProfile's top functions.
+
+Timings on a shared machine are noisy; instruction counts of the same steps repeat exactly, so they show small
+per-step Python costs (a few microseconds per parameter tensor) that a timing cannot resolve. One gloo rank,
+one thread, the model of ``benchmarks/bench_ddp.py``'s ``--shape``; after warm-up (which includes the bucket
+rebuild) ``--steps`` training steps are counted:
+
+    python benchmarks/callgrind_ddp.py --shape narrow --ddp gradcomm            # instructions per step
+    python benchmarks/callgrind_ddp.py --shape narrow --ddp torch --steps 3
+    python benchmarks/callgrind_ddp.py --shape narrow --ddp gradcomm --cprofile  # top functions by own time
+
+Under valgrind (``--tool=callgrind``) counting is zeroed at a call of ``getppid`` just before the counted
+steps and dumped at a call of ``getpgrp`` just after them, so neither start-up nor import is counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import os
+import pstats
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_ddp import SHAPES  # noqa: E402
+
+import gradcomm  # noqa: E402
+from gradcomm.bench.timing import timed_step  # noqa: E402
+
+_UNDER_VALGRIND = "GRADCOMM_CALLGRIND_CHILD"
+
+
+def _steps(shape: str, kind: str, steps: int, profile: bool) -> None:
+    """Build the model and the DDP on a one-rank group, warm up, then run ``steps`` counted steps."""
+    torch.set_num_threads(1)
+    builder, width, depth = SHAPES[shape]
+    with tempfile.TemporaryDirectory() as folder:
+        store = dist.FileStore(os.path.join(folder, "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            module = copy.deepcopy(builder(width, depth))
+            ddp_class = gradcomm.DistributedDataParallel if kind == "gradcomm" else nn.parallel.DistributedDataParallel
+            ddp = ddp_class(module)
+            optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+            g = torch.Generator().manual_seed(0)
+            x, y = torch.randn(32, width, generator=g), torch.randint(0, 10, (32,), generator=g)
+            for _ in range(3):
+                timed_step(ddp, optimizer, x, y)
+            profiler = cProfile.Profile() if profile else None
+            os.getppid()  # callgrind: zero the counters here
+            if profiler is not None:
+                profiler.enable()
+            for _ in range(steps):
+                timed_step(ddp, optimizer, x, y)
+            if profiler is not None:
+                profiler.disable()
+            os.getpgrp()  # callgrind: dump the counters here
+            if profiler is not None:
+                stats = pstats.Stats(profiler).sort_stats("tottime")
+                print(f"cProfile of {steps} steps, {kind} DDP, shape {shape}; top functions by own time:")
+                stats.print_stats(25)
+        finally:
+            dist.destroy_process_group()
+
+
+def _callgrind(args: argparse.Namespace) -> int:
+    """Run this script under callgrind and print the instructions counted per step."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "callgrind.out")
+        command = [
+            "valgrind",
+            "--tool=callgrind",
+            f"--callgrind-out-file={out}",
+            "--zero-before=*getppid",
+            "--dump-before=*getpgrp",
+            sys.executable,
+            __file__,
+            "--shape",
+            args.shape,
+            "--ddp",
+            args.ddp,
+            "--steps",
+            str(args.steps),
+        ]
+        env = {**os.environ, _UNDER_VALGRIND: "1", "PYTHONHASHSEED": "0"}
+        subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        dumps = sorted(Path(folder).glob("callgrind.out.*"), key=lambda p: int(p.name.rsplit(".", 1)[1]))
+        if not dumps:
+            raise SystemExit("callgrind wrote no dump at getpgrp: was the marker call renamed in this libc?")
+        totals = [line for line in dumps[0].read_text().splitlines() if line.startswith(("summary:", "totals:"))]
+        instructions = int(totals[0].split()[1])
+    print(
+        f"{args.ddp} DDP, shape {args.shape}, {args.steps} steps: {instructions / args.steps / 1e6:.2f}M "
+        "instructions per step"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="narrow")
+    parser.add_argument("--ddp", choices=["gradcomm", "torch"], default="gradcomm")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--cprofile", action="store_true", help="print cProfile's top functions instead")
+    args = parser.parse_args(argv)
+    if args.cprofile or os.environ.get(_UNDER_VALGRIND):
+        _steps(args.shape, args.ddp, args.steps, args.cprofile)
+        return 0
+    return _callgrind(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
