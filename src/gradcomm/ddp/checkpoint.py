@@ -67,7 +67,7 @@ from gradcomm.ddp.checkpoint_layout import (
     write_durably,
 )
 
-__all__ = ["FORMAT", "MANIFEST", "CheckpointError", "load_checkpoint", "rank_file", "save_checkpoint"]
+__all__ = ["FORMAT", "MANIFEST", "CheckpointError", "from_every_rank", "load_checkpoint", "rank_file", "save_checkpoint"]
 
 _RESERVED = ("format", "world_size", "rank", "checkpoint_id", "model", "optimizer", "hook_state", "bucket_layout")
 _PLAIN_LEAVES = (torch.Tensor, str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
@@ -163,8 +163,9 @@ def _from_rank_0(value: Any, world_size: int, during: tuple[int | None, str]) ->
     return box[0]
 
 
-def _from_every_rank(value: Any, world_size: int, during: tuple[int | None, str]) -> list[Any]:
-    """Every rank's ``value``, in rank order, on every rank."""
+def from_every_rank(value: Any, world_size: int, during: tuple[int | None, str]) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank; ``during`` (step, what) names the work if a peer
+    is lost."""
     if world_size == 1:
         return [value]
     values: list[Any] = [None] * world_size
@@ -214,7 +215,7 @@ def save_checkpoint(
     checkpoint_id = _from_rank_0(uuid.uuid4().hex, world_size, during)
     payload.update(format=FORMAT, world_size=world_size, rank=rank, checkpoint_id=checkpoint_id)
     target = os.path.join(folder, file_name(rank, checkpoint_id))
-    errors = _from_every_rank(_try(lambda: _write_rank_file(folder, target, payload)), world_size, during)
+    errors = from_every_rank(_try(lambda: _write_rank_file(folder, target, payload)), world_size, during)
     failed = [f"rank {r} could not write its file in {folder!r} ({e})" for r, e in enumerate(errors) if e]
     if failed:
         raise _not_saved(folder, step, "; ".join(failed))
@@ -369,7 +370,7 @@ def load_checkpoint(
     parts = {"optimizer": optimizer, "hook_state": hook_state}
     manifest, rank_0_folder = _rank_0_manifest(folder, rank, world_size)
     checkpoint, report = _own_file(folder, manifest, rank, parts, map_location)
-    reports = _from_every_rank(report, world_size, (None, f"loading checkpoint {folder!r}"))
+    reports = from_every_rank(report, world_size, (None, f"loading checkpoint {folder!r}"))
     error = _verdict(rank_0_folder, manifest, reports)
     if error is not None:
         raise error

@@ -84,8 +84,7 @@ class Reducer(ReducerSurface):
         self._check_finite = check_finite
         # what every rank must agree on besides the hook and the buckets (the DDP's options that add collectives)
         self._settings = dict(settings or {})
-        self._grad_scale = 1.0 / self._world_size  # the default reduction's factor (join() may change it)
-        self._grad_divisor = self._world_size  # the same as a divisor, for sparse gradients (torch divides them)
+        self.set_active_ranks(None)  # the default reduction's divisor and factor (join() may change them)
         self._runner = HookRunner("gradcomm.DistributedDataParallel", process_group)
         self._synced_backwards = 0
         # torch does not rebuild with find_unused_parameters (unless the graph is static): the ready order then
@@ -114,17 +113,6 @@ class Reducer(ReducerSurface):
             param.register_post_accumulate_grad_hook(GradReadyHook(self_ref, index))
             for index, param in enumerate(self._params)
         ]
-
-    @property
-    def _grad_scale(self) -> float:
-        """The default reduction's factor, ``1 / world size`` (``join()`` may change it)."""
-        return self._scale.item()
-
-    @_grad_scale.setter
-    def _grad_scale(self, value: float) -> None:
-        # Kept as a float64 0-dim tensor: multiplying by it gives the same floats as by the Python number (the
-        # kernel reads either as the gradient's compute type), without wrapping the number per gradient.
-        self._scale = torch.tensor(value, dtype=torch.float64)
 
     def _fail(self, exc: BaseException) -> None:
         self._runner.fail(exc)

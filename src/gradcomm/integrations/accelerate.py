@@ -64,7 +64,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a test that hides 
         f"(or pip install accelerate); importing it failed: {exc}"
     ) from exc
 
-from gradcomm.ddp.checkpoint import _from_every_rank
+from gradcomm.ddp.checkpoint import from_every_rank
 from gradcomm.hooks.registry import check_options, get_hook, make_comm_hook, resolve_hook_name
 
 __all__ = ["GradcommAccelerator", "GradcommKwargs", "HookStateCheckpoint"]
@@ -243,7 +243,7 @@ class HookStateCheckpoint:
             "bucket_layout": model.bucket_layout() if callable(getattr(model, "bucket_layout", None)) else None,
         }
         world_size = dist.get_world_size() if dist.is_initialized() else 1
-        return {"world_size": world_size, "ranks": _from_every_rank(own, world_size, (None, "save_state"))}
+        return {"world_size": world_size, "ranks": from_every_rank(own, world_size, (None, "save_state"))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         model = self._prepared("load")
