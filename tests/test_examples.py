@@ -30,11 +30,17 @@ def test_example_runs_under_torchrun(tmp_path: Path) -> None:
         [str(torchrun), "--standalone", "--nproc-per-node", "2", str(EXAMPLE)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=170,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
-    assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1"], done.stdout
-    for line in lines:
-        loss = float(re.search(r"loss (\S+),", line).group(1))
-        assert loss < 0.1, f"the example did not learn: {line}"
+    if done.returncode != 0:
+        # torch 2.13's gloo can abort a rank at interpreter exit, after the script's last line, with
+        # "terminate called without an active exception" (its worker threads still hold work objects when the
+        # interpreter is torn down; pytorch/pytorch#179291 describes it). Measured here with torch's own DDP
+        # and torch's fp16 hook in this script: 2 of 10 runs, the same rate as with gradcomm's. Accept exactly
+        # that, and only once every rank has printed its result; any other failure fails the test.
+        assert "terminate called without an active exception" in done.stderr, done.stderr[-3000:]
+    # the ranks share torchrun's stdout, so their lines may interleave: find each rank's report in the text
+    reports = sorted(re.findall(r"rank (\d): loss ([\d.]+), (\d+) bytes sent in (\d+) steps", done.stdout))
+    assert [rank for rank, *_ in reports] == ["0", "1"], done.stdout
+    for rank, loss, sent, steps in reports:
+        assert float(loss) < 0.1, f"the example did not learn on rank {rank}: loss {loss}"
         # fp16 halves the traffic: 33 parameters x 2 bytes x 20 steps
-        assert "1320 bytes sent in 20 steps" in line, line
+        assert (int(sent), int(steps)) == (1320, 20), done.stdout
