@@ -321,7 +321,9 @@ MESSAGES = {
     r"expected a tensor",
     "raises": r"CommHookError: Communication hook raising_hook raised on bucket 0 \(\d+ elements\): KeyError: "
     r"'missing compression table'",
-    "unused_next_forward": r"RuntimeError: .*the previous backward produced no gradient for 2 parameter\(s\) .*: "
+    "unused_next_forward": r"RuntimeError: Expected to have finished reduction in the prior iteration before "
+    r"starting a new one\. This error indicates that your module has parameters that were not used in producing "
+    r"loss\. .*the previous backward produced no gradient for 2 parameter\(s\) .*: "
     r"unused.weight, unused.bias\. .*find_unused_parameters=True",
     "shape_mismatch": r"ParameterMismatchError: .*ranks disagree .* Parameter #0 is weight \(4, 8\) torch.float32 on rank 0 but "
     r"weight \(5, 8\) torch.float32 on rank 1",

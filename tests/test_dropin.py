@@ -157,6 +157,14 @@ def _torch_surface_checks() -> dict[str, Any]:
     out["static_same"] = _same(ours.module, theirs.module)
     out["static_attr"] = (ours.static_graph, ours._get_ddp_logging_data()["static_graph"])
     out["static_again"] = error_text(lambda: ours._set_static_graph())  # warns, as torch: no error
+    # a static graph that changes: a parameter used in the first iteration gets no gradient in the second
+    for kind in (gradcomm.DistributedDataParallel, TorchDDP):
+        changing = kind(WithUnused(), static_graph=True)
+        changing(_batch(0)).pow(2).sum().backward()
+        changing.module.used.weight.requires_grad_(False)  # never marked ready in this backward
+        changing(_batch(1)).pow(2).sum().backward()
+        changing.module.used.weight.requires_grad_(True)
+        out[f"static_changed_{kind.__module__}"] = error_text(lambda: changing(_batch(2)))  # noqa: B023
     late = gradcomm.DistributedDataParallel(_mlp())
     _train(late, 1)
     out["static_late"] = error_text(late._set_static_graph)
@@ -202,8 +210,16 @@ def test_torch_internals_frameworks_use() -> None:
     assert out["static_same"]
     assert out["static_attr"] == (True, 1)
     assert out["static_again"] == "no error"
+    changed = (
+        "Expected to have finished reduction in the prior iteration before starting a new one. This error "
+        "indicates that your training graph has changed in this iteration"
+    )
+    assert changed in out["static_changed_torch.nn.parallel.distributed"]
+    assert changed in out["static_changed_gradcomm.ddp.distributed"], out["static_changed_gradcomm.ddp.distributed"]
     assert out["static_late"] == (
-        "RuntimeError: gradcomm.DistributedDataParallel._set_static_graph() must be called before the first "
+        "RuntimeError: set_static_graph() should be called before training loop starts and after "
+        "DistributedDataParallel is constructed. "
+        "gradcomm.DistributedDataParallel._set_static_graph() must be called before the first "
         "synchronised iteration (1 already ran); pass static_graph=True to the constructor instead"
     )
     assert out["logging"] == {

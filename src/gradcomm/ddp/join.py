@@ -114,8 +114,13 @@ def exchange_flags(ddp: DistributedDataParallel, mode: int) -> list[int]:
         state.last_active = active
         if state.stop_on_uneven_inputs and len(active) < world:
             finished = [dist.get_global_rank(group, r) for r, v in enumerate(values) if not v]
+            torch_sentence = (  # torch's Join raises these, on the finished ranks and on the others
+                f"Rank {dist.get_rank()} exhausted all inputs."
+                if mode == JOINED
+                else "Detected at least one rank that exhausted inputs. Throwing across all ranks."
+            )
             raise RuntimeError(
-                f"gradcomm.DistributedDataParallel.join(throw_on_early_termination=True): rank(s) {finished} "
+                f"{torch_sentence} gradcomm.DistributedDataParallel.join(throw_on_early_termination=True): rank(s) {finished} "
                 f"ran out of inputs at step {ddp.synchronised_steps}; raised on every rank"
             )
     return values

@@ -44,7 +44,12 @@ from gradcomm.ddp.bucketing import Bucket, assign_buckets, bucket_size_limits, s
 from gradcomm.ddp.finite import check_bucket_finite
 from gradcomm.ddp.grad_hooks import EndOfBackwardHook, GradReadyHook
 from gradcomm.ddp.hook_runner import HookRunner
-from gradcomm.ddp.reducer_surface import ReducerSurface, graph_changed_error, marked_twice_error
+from gradcomm.ddp.reducer_surface import (
+    ReducerSurface,
+    graph_changed_error,
+    marked_twice_error,
+    unfinished_reduction_error,
+)
 from gradcomm.ddp.sparse import SparseBucket
 from gradcomm.ddp.unused import UsedParameters, parameters_reached, tensors_in
 
@@ -125,14 +130,7 @@ class Reducer(ReducerSurface):
         self._take_unfinished()
         if self._unfinished:
             names, self._unfinished = self._unfinished, []
-            shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-            raise RuntimeError(
-                "gradcomm.DistributedDataParallel: the previous backward produced no gradient for "
-                f"{len(names)} parameter(s) that take part in reduction: {shown}. Their buckets could not be "
-                "reduced, so that iteration's gradients were not synchronised. If these parameters are unused "
-                "in forward on purpose, pass find_unused_parameters=True; if they are not trained, set "
-                "requires_grad=False on them before wrapping the model."
-            )
+            raise unfinished_reduction_error(names, self._static.enabled)
         if not self._runner.setup_checked:
             self._runner.check_same_setup(self._setup())
         if self._rebuild_order is not None:

@@ -35,6 +35,28 @@ def marked_twice_error(name: str) -> RuntimeError:
     )
 
 
+def unfinished_reduction_error(names: list[str], static_graph: bool) -> RuntimeError:
+    """The previous synchronised backward left parameters ``names`` without a gradient, so their buckets were
+    never reduced; raised at the next forward, as torch does, with torch's sentence first."""
+    torch_sentence = (
+        "Expected to have finished reduction in the prior iteration before starting a new one. This error "
+        + (
+            "indicates that your training graph has changed in this iteration, e.g., one parameter is used in "
+            "first iteration, but then got unused in the second iteration. this is not compatible with "
+            "static_graph set to True."
+            if static_graph
+            else "indicates that your module has parameters that were not used in producing loss."
+        )
+    )
+    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    return RuntimeError(
+        f"{torch_sentence} gradcomm.DistributedDataParallel: the previous backward produced no gradient for "
+        f"{len(names)} parameter(s) that take part in reduction: {shown}. Their buckets could not be "
+        "reduced, so that iteration's gradients were not synchronised. If these parameters are unused "
+        "in forward on purpose, pass find_unused_parameters=True; if they are not trained, set "
+        "requires_grad=False on them before wrapping the model."
+    )
+
 
 def graph_changed_error(name: str, first_count: int) -> RuntimeError:
     """Under ``static_graph``, parameter ``name`` received more gradients than in the first iteration
@@ -162,6 +184,8 @@ class ReducerSurface:
         """Treat the graph as static from now on; only before the first synchronised iteration, as in torch."""
         if self._synced_backwards or self._armed and self._started:
             raise RuntimeError(
+                "set_static_graph() should be called before training loop starts and after "
+                "DistributedDataParallel is constructed. "
                 "gradcomm.DistributedDataParallel._set_static_graph() must be called before the first "
                 f"synchronised iteration ({self._synced_backwards} already ran); pass static_graph=True to the "
                 "constructor instead"
