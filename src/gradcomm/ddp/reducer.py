@@ -379,7 +379,7 @@ class Reducer(ReducerSurface):
         ``_delay_all_reduce``) and ``find_unused_parameters`` without an output to search."""
         if not self._armed:
             return
-        self._finalize_queued = True  # finalize here, not in yet another callback
+        queued, self._finalize_queued = self._finalize_queued, True  # finalize here or in the one queued
         try:
             if self._counting == self._count_first:
                 self._counting = None
@@ -396,7 +396,7 @@ class Reducer(ReducerSurface):
         except BaseException as exc:
             self._fail(exc)
             raise
-        if self._next_bucket == len(self._buckets):
+        if self._next_bucket == len(self._buckets) and not queued:
             self._finalize()
 
     def _finalize(self) -> None:
