@@ -439,6 +439,10 @@ def test_a_run_removes_the_namespaces_of_a_killed_run(tmp_path: Path, privileged
         )
         assert done.returncode == 0, done.stderr
         assert "floor ms" in done.stdout
+        # behind a shaped link, times to the target are projected at the link's rate
+        assert "@1gbit s to target" in done.stdout, done.stdout
+        config = json.loads((tmp_path / "run" / "results.json").read_text())["config"]
+        assert config["projection"] == {"name": "1gbit", "bps": 1e9}
         assert stale not in _netns_names()
         assert orphan.wait(timeout=10) == -signal.SIGKILL, "the process left in the stale namespace lives on"
         assert not [name for name in _netns_names() if name.startswith(f"gc{dead_pid}-")]

@@ -224,7 +224,7 @@ def print_table(summaries: list[HookSummary], title: str, projection: Projection
         table.add_row(*row)
     console = Console()
     if not console.is_terminal:
-        console = Console(width=200)  # a file or pipe: don't squeeze the table to 80 columns
+        console = Console(width=260)  # a file or pipe: don't squeeze the table to 80 columns
     console.print(table)
 
 
