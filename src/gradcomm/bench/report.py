@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from gradcomm.ddp.telemetry import byte_ratio
+
 __all__ = [
     "HookSummary",
     "PROJECTION_RATES",
@@ -167,8 +169,8 @@ def summarize(
         final_metric=run["final_metric"],
         metric_name=run["metric_name"],
         mb_per_step=sent / 1e6,
-        handed_ratio=_ratio(run["dense_bytes_per_step"], sent),
-        wire_ratio=_ratio(run["dense_wire_bytes_per_step"], wire),
+        handed_ratio=byte_ratio(run["dense_bytes_per_step"], sent),
+        wire_ratio=byte_ratio(run["dense_wire_bytes_per_step"], wire),
         compute_ms=1e3 * compute,
         measured_ms=1e3 * measured,
         projected_ms={name: projected(rate) for name, rate in PROJECTION_RATES.items()},
@@ -177,12 +179,6 @@ def summarize(
         time_to_target_s=to_target,
         projected_time_to_target_s=projected_to_target,
     )
-
-
-def _ratio(dense: float, sent: float) -> float:
-    if sent:
-        return dense / sent
-    return math.inf if dense else math.nan
 
 
 def print_table(summaries: list[HookSummary], title: str, projection: Projection | None = None) -> None:

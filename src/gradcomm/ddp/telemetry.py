@@ -12,9 +12,9 @@ A DDP keeps one :class:`CommStats` (``ddp.comm_stats()``). Per step, on this ran
 * two ratios: the *handed* ratio ``dense_bytes / bytes_sent`` (bytes handed to collectives) and the *wire*
   ratio ``dense_wire_bytes / wire_bytes``, the saving on the link, which is the one papers publish. They
   differ when the hook's collectives are not one allreduce: ByteGrad's all-to-all then all-gather hands over
-  about 2/3 more than it sends (handed 2.7x, wire 4x), and an all-gather sends ``W - 1`` times its input
-  where an allreduce sends ``2(W - 1)/W`` (on ``W > 2`` ranks the handed ratio overstates the saving ``W/2``
-  times). Nothing sent gives ``inf``; nothing sent by a plain allreduce either (one rank) gives ``nan``;
+  ``W + 1`` rows of its 8-bit codes and sends ``2(W - 1)`` (on 2 ranks: handed 2.7x, wire 4x), and an
+  all-gather sends ``W - 1`` times its input where an allreduce sends ``2(W - 1)/W`` (on ``W > 2`` ranks the
+  handed ratio overstates the saving ``W/2`` times). See :func:`byte_ratio` for the edge cases;
 * ``hook_seconds``: time spent inside the hook calls themselves (encoding, and launching collectives, which
   return at once), i.e. outside the collectives;
 * ``compression_error`` when ``measure_error`` is on: ``‖result − exact‖ / ‖exact‖`` over all buckets, where
@@ -42,7 +42,7 @@ from torch.distributed import ProcessGroup
 
 from gradcomm import comm
 
-__all__ = ["CommStats", "StepStats"]
+__all__ = ["CommStats", "StepStats", "byte_ratio"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +64,12 @@ class StepStats:
     @property
     def handed_ratio(self) -> float:
         """Dense bucket bytes over the bytes handed to collectives."""
-        return _ratio(self.dense_bytes, self.bytes_sent)
+        return byte_ratio(self.dense_bytes, self.bytes_sent)
 
     @property
     def wire_ratio(self) -> float:
         """Wire bytes of a plain allreduce of the buckets over the wire bytes of what the hook sent."""
-        return _ratio(self.dense_wire_bytes, self.wire_bytes)
+        return byte_ratio(self.dense_wire_bytes, self.wire_bytes)
 
     @property
     def compression_ratio(self) -> float:
@@ -80,7 +80,9 @@ class StepStats:
         return {**asdict(self), "handed_ratio": self.handed_ratio, "wire_ratio": self.wire_ratio}
 
 
-def _ratio(dense: float, sent: float) -> float:
+def byte_ratio(dense: float, sent: float) -> float:
+    """``dense / sent``, the saving of a hook that sent ``sent`` bytes where a plain allreduce sends ``dense``:
+    ``inf`` when nothing was sent, ``nan`` when a plain allreduce would send nothing either (one rank's wire)."""
     if sent:
         return dense / sent
     return math.inf if dense else math.nan
