@@ -159,6 +159,8 @@ def _synthetic_run(label: str, hook: str, losses: list[float], wire: float = 1e6
 
 
 def test_time_to_target_loss_on_synthetic_runs() -> None:
+    import math
+
     from gradcomm.bench.report import (
         TARGET_MARGIN,
         Projection,
@@ -180,6 +182,7 @@ def test_time_to_target_loss_on_synthetic_runs() -> None:
     assert time_to_loss([0.1, 0.2, 0.3, 0.4], [5.0, 1.0, 1.0, 1.0], 4.5) == pytest.approx(0.6)
     with pytest.raises(ValueError, match="time_to_loss: 3 step times for 2 losses"):
         time_to_loss([1.0, 1.0, 1.0], [1.0, 1.0], 0.5)
+    assert time_to_loss([0.5] * 3, [1.0, float("nan"), 0.0], 0.9) is None  # a diverged run never gets there
 
     reference = _synthetic_run("allreduce", "allreduce", [1.0] + [0.5] * 29)
     slow = _synthetic_run("signsgd", "signsgd", [1.0] + [0.8] * 29, wire=1e5)
@@ -191,6 +194,13 @@ def test_time_to_target_loss_on_synthetic_runs() -> None:
         smoothed(fast["losses"])[-1] * 1.02, "the best final smoothed loss (fp16's) + 2%"
     )
     assert choose_target([slow, reference], given=0.9) == Target(0.9, "given (--target-loss)")
+    with pytest.raises(ValueError, match="choose_target: no runs to take the target loss from"):
+        choose_target([])
+    diverged = _synthetic_run("allreduce", "allreduce", [1.0, float("inf"), float("nan")])
+    assert choose_target([diverged, slow]).rule == "the best final smoothed loss (signsgd's) + 2%"
+    nothing = choose_target([diverged])  # the results of a run are still written, with no hook reaching it
+    assert math.isnan(nothing.loss) and nothing.rule == "none: every run's training loss diverged; give --target-loss"
+    assert summarize(diverged, warmup=0, target=nothing).time_to_target_s is None
     negative = _synthetic_run("allreduce", "ALLREDUCE", [-1.0] * 5)
     assert choose_target([negative]).loss == pytest.approx(-1.0 + 0.02)  # the margin makes it easier, always
 

@@ -102,7 +102,12 @@ def smoothed(losses: Sequence[float], decay: float = EMA_DECAY) -> list[float]:
 
 def choose_target(runs: Sequence[dict[str, Any]], given: float | None = None, margin: float = TARGET_MARGIN) -> Target:
     """The target loss: ``given``, else allreduce's final smoothed training loss plus ``margin`` of its
-    magnitude; without an allreduce run, the best (lowest) final smoothed loss among ``runs`` plus the margin."""
+    magnitude; without an allreduce run (or if its loss diverged), the best (lowest) finite final smoothed loss
+    among ``runs`` plus the margin; ``nan`` (reached by none) if every run diverged.
+
+    Raises:
+        ValueError: no runs.
+    """
     if given is not None:
         return Target(given, "given (--target-loss)")
     if not runs:
@@ -111,12 +116,15 @@ def choose_target(runs: Sequence[dict[str, Any]], given: float | None = None, ma
 
     allreduce = resolve_hook_name("allreduce")
     finals = {run["label"]: smoothed(run["losses"])[-1] for run in runs}
+    finite = {label: loss for label, loss in finals.items() if math.isfinite(loss)}
     reference = next((run["label"] for run in runs if resolve_hook_name(run["hook"]) is allreduce), None)
-    if reference is not None:
+    if reference in finite:
         source = f"{reference}'s final smoothed loss"
-    else:
-        reference = min(finals, key=finals.__getitem__)
+    elif finite:
+        reference = min(finite, key=finite.__getitem__)
         source = f"the best final smoothed loss ({reference}'s)"
+    else:
+        return Target(math.nan, "none: every run's training loss diverged; give --target-loss")
     final = finals[reference]
     return Target(final + margin * abs(final), f"{source} + {100 * margin:g}%")
 
@@ -294,7 +302,7 @@ def _plot(
     time_title = "loss against time (measured"
     time_title += f"; dashed: projected at {projection.name})" if projection is not None else ")"
     by_time.set(xlabel="wall-clock seconds (rank 0, warm-up included)", ylabel=ylabel, title=time_title)
-    if target is not None:
+    if target is not None and math.isfinite(target.loss):
         by_time.axhline(target.loss, color="grey", linestyle=":", linewidth=1, label=f"target {target.loss:.4g}")
         by_time.legend()
     by_step.legend()
