@@ -107,11 +107,13 @@ def test_bench_writes_table_json_csv_and_plot(tmp_path: Path) -> None:
     out = tmp_path / "run"
     done = subprocess.run(
         [*GRADCOMM, "bench", "--workload", "cnn", "--steps", "8", "--warmup", "2",
-         "--hooks", "allreduce", "fp16_compress", "--output", str(out)],
+         "--hooks", "allreduce", "fp16_compress", "--project", "100mbit", "--output", str(out)],
         capture_output=True, text=True, timeout=280,
     )
     assert done.returncode == 0, done.stderr
-    for text in ("allreduce", "fp16_compress", "accuracy", "MB/step/rank", "@1gbit ms", "@100gbit ms"):
+    for text in ("allreduce", "fp16_compress", "accuracy", "MB/step/rank", "@1gbit ms", "@100gbit ms",
+                 "handed ratio", "wire ratio", "s to target", "@100mbit s to target",
+                 "target loss", "(allreduce's final smoothed loss + 2%)"):
         assert text in done.stdout, f"{text!r} missing from the table:\n{done.stdout}"
     assert f"results written to {out}" in done.stdout
     document = json.loads((out / "results.json").read_text())
@@ -121,14 +123,120 @@ def test_bench_writes_table_json_csv_and_plot(tmp_path: Path) -> None:
     # the CNN has 283,978 float32 parameters (320 + 64 + 18,496 + 128 + 262,400 + 2,570): allreduce
     # hands over all of them, fp16 half
     assert summaries["allreduce"]["mb_per_step"] == pytest.approx(283_978 * 4 / 1e6)
-    assert summaries["fp16_compress"]["compression_ratio"] == pytest.approx(2.0)
+    assert summaries["fp16_compress"]["handed_ratio"] == pytest.approx(2.0)
+    assert summaries["fp16_compress"]["wire_ratio"] == pytest.approx(2.0)
+    assert summaries["allreduce"]["handed_ratio"] == summaries["allreduce"]["wire_ratio"] == pytest.approx(1.0)
+    config = document["config"]
+    assert config["projection"] == {"name": "100mbit", "bps": 1e8}
+    assert config["target_loss_rule"] == "allreduce's final smoothed loss + 2%"
+    # allreduce reaches its own final smoothed loss + 2% at the latest on its last step, 8 steps of real time
+    allreduce_run = document["runs_by_rank"][0][0]
+    assert 0 < summaries["allreduce"]["time_to_target_s"] <= sum(allreduce_run["step_seconds"]) * (1 + 1e-9)
+    assert summaries["allreduce"]["projected_time_to_target_s"] > 0
     assert all(0.0 <= s["final_metric"] <= 1.0 for s in summaries.values())
     assert len(document["runs_by_rank"]) == 2 and len(document["runs_by_rank"][0][0]["losses"]) == 8
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert [row["label"] for row in rows] == ["allreduce", "fp16_compress"]
     assert float(rows[0]["projected_ms_1gbit"]) > float(rows[0]["projected_ms_100gbit"])
+    assert float(rows[0]["time_to_target_s"]) == pytest.approx(summaries["allreduce"]["time_to_target_s"])
+    assert {"handed_ratio", "wire_ratio", "projected_time_to_target_s"} <= rows[0].keys()
     png = (out / "plot.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    # three panels side by side: 18 x 4.5 inches at 110 dpi
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert (width, height) == (1980, 495), (width, height)
+
+
+def _synthetic_run(label: str, hook: str, losses: list[float], wire: float = 1e6) -> dict[str, Any]:
+    """A rank's run dict as :mod:`gradcomm.bench.runner` writes it: 0.5 s steps, 0.1 s compute."""
+    steps = len(losses)
+    return {
+        "label": label, "hook": hook, "losses": losses, "step_seconds": [0.5] * steps,
+        "bytes_per_step": [4_000_000] * steps, "wire_bytes_per_step": [wire] * steps,
+        "dense_bytes_per_step": 4_000_000, "dense_wire_bytes_per_step": 4e6, "compute_seconds": 0.1,
+        "final_loss": losses[-1], "final_metric": 0.5, "metric_name": "accuracy",
+    }
+
+
+def test_time_to_target_loss_on_synthetic_runs() -> None:
+    import math
+
+    from gradcomm.bench.report import (
+        TARGET_MARGIN,
+        Projection,
+        Target,
+        choose_target,
+        projected_step_seconds,
+        smoothed,
+        summarize,
+        time_to_loss,
+    )
+
+    assert smoothed([1.0, 0.0, 0.0]) == pytest.approx([1.0, 0.9, 0.81])
+    # the smoothed loss is 1, 0.9, 0.81, 0.729, ... (0.9^i): it reaches 0.75 on the 4th step, after 4 x 0.5 s
+    falling = [1.0] + [0.0] * 9
+    assert time_to_loss([0.5] * 10, falling, 0.75) == pytest.approx(2.0)
+    assert time_to_loss([0.5] * 10, falling, smoothed(falling)[3]) == pytest.approx(2.0)  # reaching is <=
+    assert time_to_loss([0.5] * 10, falling, 0.1) is None  # 0.9^9 = 0.387: never
+    # uneven steps: smoothed 5, 4.6, 4.24, ... reaches 4.5 on the third step, after 0.1 + 0.2 + 0.3 s
+    assert time_to_loss([0.1, 0.2, 0.3, 0.4], [5.0, 1.0, 1.0, 1.0], 4.5) == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="time_to_loss: 3 step times for 2 losses"):
+        time_to_loss([1.0, 1.0, 1.0], [1.0, 1.0], 0.5)
+    assert time_to_loss([0.5] * 3, [1.0, float("nan"), 0.0], 0.9) is None  # a diverged run never gets there
+
+    reference = _synthetic_run("allreduce", "allreduce", [1.0] + [0.5] * 29)
+    slow = _synthetic_run("signsgd", "signsgd", [1.0] + [0.8] * 29, wire=1e5)
+    fast = _synthetic_run("fp16", "fp16_compress", [1.0] + [0.2] * 29, wire=2e6)
+    final = smoothed(reference["losses"])[-1]
+    target = choose_target([slow, reference, fast])
+    assert target == Target(final * (1 + TARGET_MARGIN), "allreduce's final smoothed loss + 2%")
+    assert choose_target([slow, fast]) == Target(
+        smoothed(fast["losses"])[-1] * 1.02, "the best final smoothed loss (fp16's) + 2%"
+    )
+    assert choose_target([slow, reference], given=0.9) == Target(0.9, "given (--target-loss)")
+    with pytest.raises(ValueError, match="choose_target: no runs to take the target loss from"):
+        choose_target([])
+    diverged = _synthetic_run("allreduce", "allreduce", [1.0, float("inf"), float("nan")])
+    assert choose_target([diverged, slow]).rule == "the best final smoothed loss (signsgd's) + 2%"
+    nothing = choose_target([diverged])  # the results of a run are still written, with no hook reaching it
+    assert math.isnan(nothing.loss) and nothing.rule == "none: every run's training loss diverged; give --target-loss"
+    assert summarize(diverged, warmup=0, target=nothing).time_to_target_s is None
+    negative = _synthetic_run("allreduce", "ALLREDUCE", [-1.0] * 5)
+    assert choose_target([negative]).loss == pytest.approx(-1.0 + 0.02)  # the margin makes it easier, always
+
+    # smoothed allreduce: 0.5 + 0.5 * 0.9^i, final 0.52355, target 0.53402, first reached at i = 26 (27 steps)
+    assert target.loss == pytest.approx(0.534022, abs=1e-6)
+    summary = summarize(reference, warmup=2, target=target)
+    assert summary.time_to_target_s == pytest.approx(0.5 * 27)
+    assert summary.projected_time_to_target_s is None  # no rate to project at
+    assert summarize(slow, warmup=2, target=target).time_to_target_s is None
+    # smoothed signsgd: 0.8 + 0.2 * 0.9^i, at most 0.9 from i = 7 (8 steps) on
+    assert summarize(slow, warmup=2, target=Target(0.9, "given")).time_to_target_s == pytest.approx(0.5 * 8)
+
+    # projected: each step 0.1 s of compute + its 1 MB on the wire at 100 Mbit/s (0.08 s)
+    projection = Projection("100mbit", 1e8)
+    assert projected_step_seconds(reference, projection.bps) == pytest.approx([0.18] * 30)
+    summary = summarize(reference, warmup=2, target=target, projection=projection)
+    assert summary.projected_time_to_target_s == pytest.approx(0.18 * 27)
+    # smoothed fp16: 0.2 + 0.8 * 0.9^i, first below 0.53402 at i = 9; its steps take 0.1 + 0.16 s projected
+    fast_summary = summarize(fast, warmup=2, target=target, projection=projection)
+    assert fast_summary.time_to_target_s == pytest.approx(0.5 * 10)
+    assert fast_summary.projected_time_to_target_s == pytest.approx(10 * (0.1 + 0.16))
+    assert (fast_summary.handed_ratio, fast_summary.wire_ratio) == (1.0, 2.0)
+
+
+def test_ratios_of_a_run_that_sends_nothing() -> None:
+    """One rank: a plain allreduce puts nothing on the wire either, so the wire ratio is undefined (nan)."""
+    import math
+
+    from gradcomm.bench.report import summarize
+
+    run = _synthetic_run("noop", "noop", [1.0, 1.0], wire=0.0)
+    run["bytes_per_step"] = [0, 0]
+    summary = summarize(run, warmup=0)
+    assert summary.handed_ratio == math.inf and summary.wire_ratio == math.inf
+    run["dense_wire_bytes_per_step"] = 0.0
+    assert math.isnan(summarize(run, warmup=0).wire_ratio)
 
 
 @pytest.mark.parametrize(
@@ -165,6 +273,10 @@ def test_bench_writes_table_json_csv_and_plot(tmp_path: Path) -> None:
         (["--bucket-cap-mb", "-1"], r"--bucket-cap-mb must be a number > 0, got -1$"),
         (["--lr", "inf"], r"--lr must be a number >= 0, got inf$"),
         (["--seed", str(2**64)], r"--seed must be in -2\*\*63\.\.2\*\*64-1"),
+        (["--project", "fast"], r"--project: invalid rate 'fast': expected "),
+        (["--project", "0mbit"], r"--project: invalid rate '0mbit': must be at least 1 bit/s"),
+        (["--target-loss", "nan"], r"--target-loss must be a finite number, got nan$"),
+        (["--target-loss=-inf"], r"--target-loss must be a finite number, got -inf$"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
@@ -337,6 +449,10 @@ def test_a_run_removes_the_namespaces_of_a_killed_run(tmp_path: Path, privileged
         )
         assert done.returncode == 0, done.stderr
         assert "floor ms" in done.stdout
+        # behind a shaped link, times to the target are projected at the link's rate
+        assert "@1gbit s to target" in done.stdout, done.stdout
+        config = json.loads((tmp_path / "run" / "results.json").read_text())["config"]
+        assert config["projection"] == {"name": "1gbit", "bps": 1e9}
         assert stale not in _netns_names()
         assert orphan.wait(timeout=10) == -signal.SIGKILL, "the process left in the stale namespace lives on"
         assert not [name for name in _netns_names() if name.startswith(f"gc{dead_pid}-")]

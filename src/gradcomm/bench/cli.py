@@ -73,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an option for every hook that accepts it (repeatable)")
     parser.add_argument("--bandwidth", default=None, help="shape each rank's link, e.g. 100mbit, 1gbit (root)")
     parser.add_argument("--latency", default="0", help="one-way delay added to each link, e.g. 1ms")
+    parser.add_argument("--project", default=None, metavar="RATE",
+                        help="also project the times to the target loss at this link rate, e.g. 100mbit "
+                        "(default: the --bandwidth rate when shaped)")
+    parser.add_argument("--target-loss", type=float, default=None, metavar="LOSS",
+                        help="the smoothed training loss the time-to-target column counts to (default: "
+                        "allreduce's final smoothed loss + 2%%, or the best hook's without allreduce)")
     parser.add_argument("--output", type=Path, default=None, help="output folder (default: a new timestamped one)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="hard limit for the whole run, seconds")
     parser.add_argument("--collective-timeout", type=float, default=120.0,
@@ -141,6 +147,7 @@ def _config(args: argparse.Namespace, world_size: int, device: str) -> BenchConf
             choice.checked_options(defaults)
         except (ValueError, TypeError, ImportError) as exc:
             raise BenchError(str(exc)) from None
+    _check_target(args)
     return BenchConfig(
         workload=args.workload,
         hooks=hooks,
@@ -151,7 +158,22 @@ def _config(args: argparse.Namespace, world_size: int, device: str) -> BenchConf
         bucket_cap_mb=args.bucket_cap_mb,
         option_defaults=defaults,
         device=device,
+        project=args.project,
+        target_loss=args.target_loss,
     )
+
+
+def _check_target(args: argparse.Namespace) -> None:
+    """Refuse a ``--project`` rate or ``--target-loss`` that the report could not use."""
+    from gradcomm.testing.network import parse_rate
+
+    if args.project is not None:
+        try:
+            parse_rate(args.project)
+        except ValueError as exc:
+            raise BenchError(f"--project: {exc}") from None
+    if args.target_loss is not None and not math.isfinite(args.target_loss):
+        raise BenchError(f"--target-loss must be a finite number, got {args.target_loss:g}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -291,9 +313,16 @@ def _run_under_torchrun(args: argparse.Namespace) -> int:
 def _report(
     args: argparse.Namespace, config: BenchConfig, runs: list[list[dict[str, Any]]], output: Path, rate: float | None
 ) -> None:
-    from gradcomm.bench.report import print_table, summarize, write_outputs
+    from gradcomm.bench.report import Projection, choose_target, print_table, summarize, write_outputs
+    from gradcomm.testing.network import parse_rate
 
-    summaries = [summarize(run, config.warmup, rate) for run in runs[0]]
+    projection = None
+    if config.project is not None:
+        projection = Projection(config.project, parse_rate(config.project))
+    elif rate is not None:
+        projection = Projection(args.bandwidth, rate)
+    target = choose_target(runs[0], config.target_loss)
+    summaries = [summarize(run, config.warmup, rate, target, projection) for run in runs[0]]
     described = {
         **asdict(config),
         "hooks": [choice.label for choice in config.hooks],
@@ -301,12 +330,19 @@ def _report(
         "data": WORKLOADS[config.workload]().data_description(),
         "bandwidth": args.bandwidth,
         "latency": args.latency if args.bandwidth else None,
+        "target_loss": target.loss,
+        "target_loss_rule": target.rule,
+        "projection": None if projection is None else asdict(projection),
         "command": " ".join(["gradcomm", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None,
     }
     link = f" behind {args.bandwidth} links" if args.bandwidth else ""
-    print_table(summaries, f"{config.workload}, {len(runs)} ranks{link}, {config.steps} steps per hook")
+    title = (
+        f"{config.workload}, {len(runs)} ranks{link}, {config.steps} steps per hook; "
+        f"target loss {target.loss:.4f} ({target.rule})"
+    )
+    print_table(summaries, title, projection)
     try:
-        paths = write_outputs(output, described, runs, summaries)
+        paths = write_outputs(output, described, runs, summaries, target, projection)
     except OSError as exc:
         raise BenchError(f"could not write the results to {output}: {exc}", status=1) from None
     print(f"results written to {output}/ ({', '.join(p.name for p in paths.values())})")

@@ -1,24 +1,76 @@
 """Turning the ranks' measurements into the bench's table, results.json, results.csv and plot.png.
 
-Per hook: final loss and metric, MB handed to collectives per step per rank, compression ratio against the
-dense buckets, compute time (no network), measured step time, and the step time projected at 1, 10 and
-100 Gbit/s as ``compute + wire bytes / rate``, where wire bytes are what ring collectives put on each rank's
-link for the measured inputs (see :func:`gradcomm.comm.wire_bytes`). With a shaped link, the *physical floor*
-is the same at the link's rate, and ``measured / floor`` says how close the run came to it.
+Per hook: final loss and metric, MB handed to collectives per step per rank, two compression ratios (see
+:mod:`gradcomm.ddp.telemetry`: *handed*, dense bucket bytes over bytes handed to collectives, and *wire*, what
+a plain allreduce of the buckets puts on the link over what the hook put there), compute time (no network),
+measured step time, and the step time projected at 1, 10 and 100 Gbit/s as ``compute + wire bytes / rate``,
+where wire bytes are what ring collectives put on each rank's link for the measured inputs (see
+:func:`gradcomm.comm.group_wire_bytes`). With a shaped link, the *physical floor* is the same at the link's
+rate, and ``measured / floor`` says how close the run came to it.
+
+*Time to target loss* answers the bench's question in time: the wall-clock seconds (rank 0's measured step
+times, summed from the first step: warm-up steps are real time too) until the training loss, smoothed by the
+same exponential moving average for every hook (:func:`smoothed`, decay 0.9, as plotted), first reaches the
+target. The target is given, or allreduce's final smoothed loss plus :data:`TARGET_MARGIN` of it (the best
+final smoothed loss among the hooks when allreduce is not run): see :func:`choose_target`. A hook that never
+reaches it has ``None`` (``null`` in results.json, an empty cell in results.csv, "not reached" in the table).
+With a projection rate (``--project``, else a shaped link's rate), the same is computed with each step's
+time projected as ``compute + that step's wire bytes / rate``.
 """
 
 from __future__ import annotations
 
 import csv
+import itertools
 import json
+import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HookSummary", "PROJECTION_RATES", "print_table", "summarize", "write_outputs"]
+from gradcomm.ddp.telemetry import byte_ratio
+
+__all__ = [
+    "HookSummary",
+    "PROJECTION_RATES",
+    "TARGET_MARGIN",
+    "Projection",
+    "Target",
+    "choose_target",
+    "print_table",
+    "projected_step_seconds",
+    "smoothed",
+    "summarize",
+    "time_to_loss",
+    "write_outputs",
+]
 
 PROJECTION_RATES = {"1gbit": 1e9, "10gbit": 10e9, "100gbit": 100e9}
+
+TARGET_MARGIN = 0.02
+"""The default target loss is the reference's final smoothed loss plus this fraction of its magnitude: close
+enough to mean "trained as well", loose enough that noise in the last steps does not decide it."""
+
+EMA_DECAY = 0.9
+"""Decay of the moving average that smooths every hook's training loss (plots and time to target)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """The loss the time-to-target column counts to, and how it was chosen (for the title and results.json)."""
+
+    loss: float
+    rule: str
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A link rate to project step times at: its name as given (``100mbit``) and bits per second."""
+
+    name: str
+    bps: float
 
 
 @dataclass
@@ -28,16 +80,80 @@ class HookSummary:
     final_metric: float
     metric_name: str
     mb_per_step: float
-    compression_ratio: float
+    handed_ratio: float
+    wire_ratio: float
     compute_ms: float
     measured_ms: float
     projected_ms: dict[str, float]
     floor_ms: float | None = None
     measured_over_floor: float | None = None
+    time_to_target_s: float | None = None
+    projected_time_to_target_s: float | None = None
 
 
-def summarize(run: dict[str, Any], warmup: int, bandwidth_bps: float | None = None) -> HookSummary:
-    """Steady-state figures of one hook's run (steps from ``warmup`` on)."""
+def smoothed(losses: Sequence[float], decay: float = EMA_DECAY) -> list[float]:
+    """The exponential moving average of ``losses``, started at the first loss (no bias towards 0)."""
+    averaged, current = [], losses[0] if losses else 0.0
+    for value in losses:
+        current = decay * current + (1 - decay) * value
+        averaged.append(current)
+    return averaged
+
+
+def choose_target(runs: Sequence[dict[str, Any]], given: float | None = None, margin: float = TARGET_MARGIN) -> Target:
+    """The target loss: ``given``, else allreduce's final smoothed training loss plus ``margin`` of its
+    magnitude; without an allreduce run (or if its loss diverged), the best (lowest) finite final smoothed loss
+    among ``runs`` plus the margin; ``nan`` (reached by none) if every run diverged.
+
+    Raises:
+        ValueError: no runs.
+    """
+    if given is not None:
+        return Target(given, "given (--target-loss)")
+    if not runs:
+        raise ValueError("choose_target: no runs to take the target loss from")
+    from gradcomm.hooks.registry import resolve_hook_name
+
+    allreduce = resolve_hook_name("allreduce")
+    finals = {run["label"]: smoothed(run["losses"])[-1] for run in runs}
+    finite = {label: loss for label, loss in finals.items() if math.isfinite(loss)}
+    reference = next((run["label"] for run in runs if resolve_hook_name(run["hook"]) is allreduce), None)
+    if reference in finite:
+        source = f"{reference}'s final smoothed loss"
+    elif finite:
+        reference = min(finite, key=finite.__getitem__)
+        source = f"the best final smoothed loss ({reference}'s)"
+    else:
+        return Target(math.nan, "none: every run's training loss diverged; give --target-loss")
+    final = finals[reference]
+    return Target(final + margin * abs(final), f"{source} + {100 * margin:g}%")
+
+
+def time_to_loss(step_seconds: Sequence[float], losses: Sequence[float], target: float) -> float | None:
+    """Seconds (summed step times, the first step's included) until the smoothed ``losses`` first reach
+    ``target``; ``None`` if they never do."""
+    if len(step_seconds) != len(losses):
+        raise ValueError(f"time_to_loss: {len(step_seconds)} step times for {len(losses)} losses")
+    for elapsed, loss in zip(itertools.accumulate(step_seconds), smoothed(losses), strict=True):
+        if loss <= target:
+            return elapsed
+    return None
+
+
+def projected_step_seconds(run: dict[str, Any], rate_bps: float) -> list[float]:
+    """Each step's time at ``rate_bps``: the run's compute time plus that step's wire bytes over the rate."""
+    return [run["compute_seconds"] + 8 * wire / rate_bps for wire in run["wire_bytes_per_step"]]
+
+
+def summarize(
+    run: dict[str, Any],
+    warmup: int,
+    bandwidth_bps: float | None = None,
+    target: Target | None = None,
+    projection: Projection | None = None,
+) -> HookSummary:
+    """Steady-state figures of one hook's run (steps from ``warmup`` on), and its times to ``target``
+    (measured, and at ``projection``'s rate when given)."""
     steady = slice(min(warmup, len(run["step_seconds"]) - 1), None)
     sent = statistics.median(run["bytes_per_step"][steady])
     wire = statistics.median(run["wire_bytes_per_step"][steady])
@@ -48,28 +164,40 @@ def summarize(run: dict[str, Any], warmup: int, bandwidth_bps: float | None = No
         return 1e3 * (compute + 8 * wire / rate)
 
     floor = projected(bandwidth_bps) if bandwidth_bps else None
+    to_target = projected_to_target = None
+    if target is not None:
+        to_target = time_to_loss(run["step_seconds"], run["losses"], target.loss)
+        if projection is not None:
+            projected_to_target = time_to_loss(
+                projected_step_seconds(run, projection.bps), run["losses"], target.loss
+            )
     return HookSummary(
         label=run["label"],
         final_loss=run["final_loss"],
         final_metric=run["final_metric"],
         metric_name=run["metric_name"],
         mb_per_step=sent / 1e6,
-        compression_ratio=run["dense_bytes_per_step"] / sent if sent else float("inf"),
+        handed_ratio=byte_ratio(run["dense_bytes_per_step"], sent),
+        wire_ratio=byte_ratio(run["dense_wire_bytes_per_step"], wire),
         compute_ms=1e3 * compute,
         measured_ms=1e3 * measured,
         projected_ms={name: projected(rate) for name, rate in PROJECTION_RATES.items()},
         floor_ms=floor,
         measured_over_floor=1e3 * measured / floor if floor else None,
+        time_to_target_s=to_target,
+        projected_time_to_target_s=projected_to_target,
     )
 
 
-def print_table(summaries: list[HookSummary], title: str) -> None:
+def print_table(summaries: list[HookSummary], title: str, projection: Projection | None = None) -> None:
+    """Print the summaries as a table; ``projection``: the rate of the projected time-to-target column."""
     from rich.console import Console
     from rich.table import Table
 
     metric = summaries[0].metric_name if summaries else "metric"
     table = Table(title=title)
-    for column in ("hook", "final loss", metric, "MB/step/rank", "compression", "compute ms", "measured ms"):
+    columns = ("hook", "final loss", metric, "MB/step/rank", "handed ratio", "wire ratio", "compute ms", "measured ms")
+    for column in columns:
         table.add_column(column, justify="left" if column == "hook" else "right")
     for name in PROJECTION_RATES:
         table.add_column(f"@{name} ms", justify="right")
@@ -77,30 +205,51 @@ def print_table(summaries: list[HookSummary], title: str) -> None:
     if with_floor:
         table.add_column("floor ms", justify="right")
         table.add_column("measured/floor", justify="right")
+    table.add_column("s to target", justify="right")
+    if projection is not None:
+        table.add_column(f"@{projection.name} s to target", justify="right")
     for s in summaries:
         row = [
             s.label,
             f"{s.final_loss:.3f}",
             f"{s.final_metric:.3f}",
             f"{s.mb_per_step:.3f}",
-            f"{s.compression_ratio:.1f}x",
+            _times(s.handed_ratio),
+            _times(s.wire_ratio),
             f"{s.compute_ms:.1f}",
             f"{s.measured_ms:.1f}",
             *(f"{s.projected_ms[name]:.1f}" for name in PROJECTION_RATES),
         ]
         if with_floor:
             row += [f"{s.floor_ms:.1f}", f"{s.measured_over_floor:.2f}"]
+        row.append(_seconds(s.time_to_target_s))
+        if projection is not None:
+            row.append(_seconds(s.projected_time_to_target_s))
         table.add_row(*row)
     console = Console()
     if not console.is_terminal:
-        console = Console(width=200)  # a file or pipe: don't squeeze the table to 80 columns
+        console = Console(width=260)  # a file or pipe: don't squeeze the table to 80 columns
     console.print(table)
 
 
+def _times(ratio: float) -> str:
+    return "n/a" if math.isnan(ratio) else f"{ratio:.1f}x"
+
+
+def _seconds(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.2f}"
+
+
 def write_outputs(
-    directory: Path, config: dict[str, Any], runs: list[list[dict[str, Any]]], summaries: list[HookSummary]
+    directory: Path,
+    config: dict[str, Any],
+    runs: list[list[dict[str, Any]]],
+    summaries: list[HookSummary],
+    target: Target | None = None,
+    projection: Projection | None = None,
 ) -> dict[str, Path]:
-    """Write results.json (config, summaries, every rank's per-step series), results.csv and plot.png."""
+    """Write results.json (config, summaries, every rank's per-step series), results.csv and plot.png (loss
+    against step, bytes and seconds, with the ``target`` line and the curves projected at ``projection``)."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = {name: directory / name for name in ("results.json", "results.csv", "plot.png")}
     document = {"config": config, "summaries": [asdict(s) for s in summaries], "runs_by_rank": runs}
@@ -110,7 +259,7 @@ def write_outputs(
         writer = csv.DictWriter(stream, fieldnames=list(rows[0]) if rows else ["label"])
         writer.writeheader()
         writer.writerows(rows)
-    _plot(paths["plot.png"], runs[0], config)
+    _plot(paths["plot.png"], runs[0], config, target, projection)
     return paths
 
 
@@ -121,34 +270,44 @@ def _flat(summary: HookSummary) -> dict[str, Any]:
     return row
 
 
-def _plot(path: Path, rank_zero_runs: list[dict[str, Any]], config: dict[str, Any]) -> None:
+def _plot(
+    path: Path,
+    rank_zero_runs: list[dict[str, Any]],
+    config: dict[str, Any],
+    target: Target | None = None,
+    projection: Projection | None = None,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    figure, (by_step, by_bytes, by_time) = plt.subplots(1, 3, figsize=(18, 4.5))
+    ylabel = f"training loss (EMA {EMA_DECAY:g})"
     for run in rank_zero_runs:
-        smoothed = _ema(run["losses"])
-        cumulative_mb = [sum(run["bytes_per_step"][: i + 1]) / 1e6 for i in range(len(run["bytes_per_step"]))]
-        (line,) = by_step.plot(smoothed, label=run["label"])
-        by_bytes.plot(cumulative_mb, smoothed, label=run["label"], color=line.get_color())
-    by_step.set(xlabel="step", ylabel="training loss (EMA 0.9)", title="loss against step")
+        losses = smoothed(run["losses"])
+        cumulative_mb = [total / 1e6 for total in itertools.accumulate(run["bytes_per_step"])]
+        (line,) = by_step.plot(losses, label=run["label"])
+        color = line.get_color()
+        by_bytes.plot(cumulative_mb, losses, label=run["label"], color=color)
+        by_time.plot(list(itertools.accumulate(run["step_seconds"])), losses, label=run["label"], color=color)
+        if projection is not None:
+            seconds = list(itertools.accumulate(projected_step_seconds(run, projection.bps)))
+            by_time.plot(seconds, losses, color=color, linestyle="--")
+    by_step.set(xlabel="step", ylabel=ylabel, title="loss against step")
     by_bytes.set(
-        xlabel="cumulative MB handed to collectives (rank 0)", ylabel="training loss (EMA 0.9)", xscale="symlog",
+        xlabel="cumulative MB handed to collectives (rank 0)", ylabel=ylabel, xscale="symlog",
         title="loss against bytes sent",
     )
+    time_title = "loss against time (measured"
+    time_title += f"; dashed: projected at {projection.name})" if projection is not None else ")"
+    by_time.set(xlabel="wall-clock seconds (rank 0, warm-up included)", ylabel=ylabel, title=time_title)
+    if target is not None and math.isfinite(target.loss):
+        by_time.axhline(target.loss, color="grey", linestyle=":", linewidth=1, label=f"target {target.loss:.4g}")
+        by_time.legend()
     by_step.legend()
     figure.suptitle(f"gradcomm bench: {config.get('workload')} on {config.get('world_size')} ranks"
                     + (f" at {config['bandwidth']}" if config.get("bandwidth") else ""))
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
-
-
-def _ema(values: list[float], decay: float = 0.9) -> list[float]:
-    smoothed, current = [], values[0] if values else 0.0
-    for value in values:
-        current = decay * current + (1 - decay) * value
-        smoothed.append(current)
-    return smoothed

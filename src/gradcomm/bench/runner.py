@@ -5,7 +5,8 @@ For every hook, with the same seed and data:
 1. *Compute time*: a few steps of the same model and hook on a process group of this rank alone, so
    every cost but the network (forward, backward, optimizer, the hook's encoding and decoding) is counted.
 2. *Training*: ``steps`` steps on all ranks with gradcomm's DDP and the hook, recording per step the loss,
-   the wall time, and the bytes the hook handed to collectives (from the DDP's telemetry).
+   the wall time, and the bytes the hook handed to collectives and put on the wire (from the DDP's telemetry,
+   each collective at its own group's size).
 3. *Evaluation*: loss and metric of the trained model on held-out data.
 
 Steady-state figures (median step time, bytes per step) skip the first ``warmup`` steps, which include the
@@ -25,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradcomm import comm
 from gradcomm.bench.workloads import WORKLOADS, Workload
 from gradcomm.ddp.distributed import DistributedDataParallel
 from gradcomm.hooks.registry import check_options, make_comm_hook, resolve_hook_name
@@ -98,6 +98,10 @@ class BenchConfig:
     bucket_cap_mb: float | None = None
     option_defaults: dict[str, Any] = field(default_factory=lambda: dict(BENCH_OPTION_DEFAULTS))
     device: str = "cpu"
+    project: str | None = None
+    """A link rate to project times to the target loss at (``--project``), as given; checked by the CLI."""
+    target_loss: float | None = None
+    """The target loss given by the user (``--target-loss``); ``None``: chosen from the runs."""
 
 
 @dataclass
@@ -114,6 +118,7 @@ class HookRun:
     bytes_per_step: list[int]
     wire_bytes_per_step: list[float]
     dense_bytes_per_step: int
+    dense_wire_bytes_per_step: float
     compute_seconds: float
     final_loss: float
     final_metric: float
@@ -183,7 +188,7 @@ def run_hook(
         seconds.append(time.perf_counter() - start)
         losses.append(loss.item())
         sent.append(stats.last.bytes_sent)
-        wire.append(comm.wire_bytes(stats.last.bytes_by_kind, world_size))
+        wire.append(stats.last.wire_bytes)
         if progress is not None:
             progress(choice.label, step + 1)
     averaged = torch.tensor(losses, dtype=torch.float64, device=config.device)
@@ -201,6 +206,7 @@ def run_hook(
         bytes_per_step=sent,
         wire_bytes_per_step=wire,
         dense_bytes_per_step=stats.last.dense_bytes,
+        dense_wire_bytes_per_step=stats.last.dense_wire_bytes,
         compute_seconds=compute,
         final_loss=final_loss,
         final_metric=final_metric,

@@ -4,7 +4,8 @@ Everything above it (hooks, compression, the DDPs) communicates through this pac
 transport of its own: collectives are ``torch.distributed``'s, launched asynchronously.
 
 * :mod:`~gradcomm.comm.collectives`: asynchronous collectives returning ``torch.futures.Future`` and
-  counting the bytes handed to them (:data:`traffic`, :func:`wire_bytes`);
+  counting the bytes handed to them (:data:`traffic`, :func:`wire_bytes`, per group size
+  :func:`group_wire_bytes`);
 * :mod:`~gradcomm.comm.faults`: the errors a lost peer or a diverged replica raises, and how to recognise them.
 """
 
@@ -18,6 +19,7 @@ from gradcomm.comm.collectives import (
     collective_device,
     counting_into,
     group_size,
+    group_wire_bytes,
     reduce_scatter_tensor,
     traffic,
     wire_bytes,
@@ -33,6 +35,7 @@ __all__ = [
     "collective_device",
     "counting_into",
     "group_size",
+    "group_wire_bytes",
     "reduce_scatter_tensor",
     "traffic",
     "wire_bytes",

@@ -6,14 +6,16 @@ and in the account of the DDP whose hook launched it (:func:`counting_into`; col
 callback through :class:`~gradcomm.comm.launcher.OrderedLauncher` are counted where they were reserved). They
 are thin: each launches one ``torch.distributed`` collective with ``async_op=True`` and adapts its future.
 
-``group`` is a process group or ``None`` for the default (WORLD) group.
+``group`` is a process group or ``None`` for the default (WORLD) group. Each call is counted with the size
+of its own group (:attr:`Traffic.bytes_by_group`), so :func:`group_wire_bytes` is right for collectives on
+subgroups (hierarchical hooks, PostLocalSGD) where :func:`wire_bytes` assumes one size for all.
 """
 
 from __future__ import annotations
 
 import contextvars
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -34,6 +36,7 @@ __all__ = [
     "collective_device",
     "counting_into",
     "group_size",
+    "group_wire_bytes",
     "reduce_scatter_tensor",
     "traffic",
     "wire_bytes",
@@ -50,22 +53,37 @@ def _payload_bytes(tensor: torch.Tensor) -> int:
 
 @dataclass
 class Traffic:
-    """Bytes handed to collectives and number of collective calls, per collective kind, in this process."""
+    """Bytes handed to collectives and number of collective calls, per collective kind, in this process.
+
+    ``bytes_by_group`` splits the same bytes by ``(kind, group size)``: what :func:`group_wire_bytes` needs.
+    """
 
     bytes_sent: dict[str, int] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
+    bytes_by_group: dict[tuple[str, int], int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def record(self, kind: str, *tensors: torch.Tensor) -> None:
+    def record(self, kind: str, *tensors: torch.Tensor, group_size: int | None = None) -> None:
+        """Count one ``kind`` collective carrying ``tensors`` on a group of ``group_size`` ranks (``None``: the
+        default group's size, 1 without one)."""
+        if group_size is None:
+            group_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         nbytes = sum(_payload_bytes(t) for t in tensors)
+        key = (kind, group_size)
         with self._lock:
             self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + nbytes
             self.calls[kind] = self.calls.get(kind, 0) + 1
+            self.bytes_by_group[key] = self.bytes_by_group.get(key, 0) + nbytes
 
     def snapshot(self) -> dict[str, int]:
         """Bytes per collective kind so far (a copy)."""
         with self._lock:
             return dict(self.bytes_sent)
+
+    def snapshot_by_group(self) -> dict[tuple[str, int], int]:
+        """Bytes per ``(collective kind, group size)`` so far (a copy)."""
+        with self._lock:
+            return dict(self.bytes_by_group)
 
     @property
     def total_bytes(self) -> int:
@@ -75,10 +93,16 @@ class Traffic:
     def total_calls(self) -> int:
         return sum(self.calls.values())
 
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes this process put on its link for everything counted, each collective at its group's size."""
+        return group_wire_bytes(self.snapshot_by_group())
+
     def reset(self) -> None:
         with self._lock:
             self.bytes_sent.clear()
             self.calls.clear()
+            self.bytes_by_group.clear()
 
 
 T = TypeVar("T")
@@ -104,11 +128,12 @@ def counting_into(account: Traffic) -> Iterator[None]:
         _ACCOUNT.reset(token)
 
 
-def _record(kind: str, *tensors: torch.Tensor) -> None:
-    traffic.record(kind, *tensors)
+def _record(kind: str, group: ProcessGroup | None, *tensors: torch.Tensor) -> None:
+    size = group_size(group)
+    traffic.record(kind, *tensors, group_size=size)
     account = _ACCOUNT.get()
     if account is not None:
-        account.record(kind, *tensors)
+        account.record(kind, *tensors, group_size=size)
 
 
 _WIRE_FACTORS = {
@@ -121,11 +146,18 @@ _WIRE_FACTORS = {
 }
 
 
-def wire_bytes(bytes_by_kind: dict[str, int], world_size: int) -> float:
-    """Bytes one rank sends over its link for the given collective inputs, with bandwidth-optimal (ring)
-    algorithms: allreduce 2(n-1)/n of its input, all-gather (n-1) times, reduce-scatter and all-to-all
-    (n-1)/n."""
+def wire_bytes(bytes_by_kind: Mapping[str, int], world_size: int) -> float:
+    """Bytes one rank sends over its link for the given collective inputs, all on groups of ``world_size``
+    ranks, with bandwidth-optimal (ring) algorithms: allreduce 2(n-1)/n of its input, all-gather (n-1) times,
+    reduce-scatter and all-to-all (n-1)/n, broadcast once. For collectives on groups of different sizes use
+    :func:`group_wire_bytes`."""
     return sum(_WIRE_FACTORS[kind](world_size) * nbytes for kind, nbytes in bytes_by_kind.items())
+
+
+def group_wire_bytes(bytes_by_group: Mapping[tuple[str, int], int]) -> float:
+    """:func:`wire_bytes` of inputs keyed by ``(collective kind, group size)`` (:attr:`Traffic.bytes_by_group`):
+    each collective at its own group's size."""
+    return sum(_WIRE_FACTORS[kind](size) * nbytes for (kind, size), nbytes in bytes_by_group.items())
 
 
 def collective_device(group: ProcessGroup | None) -> torch.device:
@@ -144,14 +176,14 @@ def all_reduce(
     tensor: torch.Tensor, group: ProcessGroup | None = None, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
 ) -> torch.futures.Future[torch.Tensor]:
     """Reduce ``tensor`` in place across ``group``; the future holds ``tensor``."""
-    _record("all_reduce", tensor)
+    _record("all_reduce", group, tensor)
     work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
     return future_of(work, tensor)
 
 
 def all_gather(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.futures.Future[list[torch.Tensor]]:
     """Gather ``tensor`` from every rank; the future holds the list, ordered by rank."""
-    _record("all_gather", tensor)
+    _record("all_gather", group, tensor)
     outputs = [torch.empty_like(tensor) for _ in range(group_size(group))]
     work = dist.all_gather(outputs, tensor, group=group, async_op=True)
     return future_of(work, outputs)
@@ -161,7 +193,7 @@ def all_gather_into_tensor(
     tensor: torch.Tensor, group: ProcessGroup | None = None
 ) -> torch.futures.Future[torch.Tensor]:
     """Gather ``tensor`` from every rank into one tensor of ``world_size * numel`` elements, rank-major."""
-    _record("all_gather", tensor)
+    _record("all_gather", group, tensor)
     output = tensor.new_empty((group_size(group) * tensor.numel(),))
     work = _all_gather_single(output, tensor.reshape(-1), group=group, async_op=True)
     return future_of(work, output)
@@ -177,7 +209,7 @@ def reduce_scatter_tensor(
             f"reduce_scatter_tensor: {tensor.numel()} elements do not split into {world_size} equal chunks; "
             "pad the tensor to a multiple of the world size"
         )
-    _record("reduce_scatter", tensor)
+    _record("reduce_scatter", group, tensor)
     output = tensor.new_empty((tensor.numel() // world_size,))
     work = _reduce_scatter_single(output, tensor.reshape(-1), op=op, group=group, async_op=True)
     return future_of(work, output)
@@ -192,7 +224,7 @@ def all_to_all_single(tensor: torch.Tensor, group: ProcessGroup | None = None) -
             f"all_to_all_single: dimension 0 of size {tensor.shape[0]} does not split into {world_size} equal "
             "chunks; pad it to a multiple of the world size"
         )
-    _record("all_to_all", tensor)
+    _record("all_to_all", group, tensor)
     output = torch.empty_like(tensor)
     work = dist.all_to_all_single(output, tensor.contiguous(), group=group, async_op=True)
     return future_of(work, output)
@@ -200,6 +232,6 @@ def all_to_all_single(tensor: torch.Tensor, group: ProcessGroup | None = None) -
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup | None = None) -> torch.futures.Future[torch.Tensor]:
     """Broadcast ``tensor`` in place from global rank ``src``; the future holds ``tensor``."""
-    _record("broadcast", tensor)
+    _record("broadcast", group, tensor)
     work = dist.broadcast(tensor, src=src, group=group, async_op=True)
     return future_of(work, tensor)

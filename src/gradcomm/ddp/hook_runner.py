@@ -45,7 +45,7 @@ class HookRunner:
         self.hook: CommHook | None = None
         self.state: Any = None
         self.name = DEFAULT_HOOK_NAME
-        self.stats = CommStats(hook_name=DEFAULT_HOOK_NAME)
+        self.stats = CommStats(hook_name=DEFAULT_HOOK_NAME, group=group)
         self.setup_checked = False  # whether the ranks have compared their setup
         self._failure: str | None = None  # set when a step failed: no further steps
 

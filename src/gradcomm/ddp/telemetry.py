@@ -5,8 +5,16 @@ A DDP keeps one :class:`CommStats` (``ddp.comm_stats()``). Per step, on this ran
 * ``bytes_sent`` and ``collective_calls``: counted by :mod:`gradcomm.comm` from the tensors actually handed
   to collectives by this DDP's hook (in its own :class:`~gradcomm.comm.Traffic` account, so two DDPs in one
   process do not mix; hooks that bypass ``gradcomm.comm``, such as torch's own, are not seen: 0 bytes);
-* ``dense_bytes``: the size of the gradient buckets, i.e. what a plain allreduce would hand over, and
-  ``compression_ratio = dense_bytes / bytes_sent``;
+* ``dense_bytes``: the size of the gradient buckets, i.e. what a plain allreduce would hand over;
+* ``wire_bytes``: what those collectives put on this rank's link with ring algorithms, each on its own group's
+  size (:func:`gradcomm.comm.group_wire_bytes`), and ``dense_wire_bytes``, the same for a plain allreduce of
+  the buckets on the DDP's group;
+* two ratios: the *handed* ratio ``dense_bytes / bytes_sent`` (bytes handed to collectives) and the *wire*
+  ratio ``dense_wire_bytes / wire_bytes``, the saving on the link, which is the one papers publish. They
+  differ when the hook's collectives are not one allreduce: ByteGrad's all-to-all then all-gather hands over
+  ``W + 1`` rows of its 8-bit codes and sends ``2(W - 1)`` (on 2 ranks: handed 2.7x, wire 4x), and an
+  all-gather sends ``W - 1`` times its input where an allreduce sends ``2(W - 1)/W`` (on ``W > 2`` ranks the
+  handed ratio overstates the saving ``W/2`` times). See :func:`byte_ratio` for the edge cases;
 * ``hook_seconds``: time spent inside the hook calls themselves (encoding, and launching collectives, which
   return at once), i.e. outside the collectives;
 * ``compression_error`` when ``measure_error`` is on: ``‖result − exact‖ / ‖exact‖`` over all buckets, where
@@ -26,6 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,7 +42,7 @@ from torch.distributed import ProcessGroup
 
 from gradcomm import comm
 
-__all__ = ["CommStats", "StepStats"]
+__all__ = ["CommStats", "StepStats", "byte_ratio"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +58,34 @@ class StepStats:
     hook_seconds: float = 0.0
     compression_error: float | None = None
     bytes_by_kind: dict[str, int] = field(default_factory=dict)
+    wire_bytes: float = 0.0
+    dense_wire_bytes: float = 0.0
+
+    @property
+    def handed_ratio(self) -> float:
+        """Dense bucket bytes over the bytes handed to collectives."""
+        return byte_ratio(self.dense_bytes, self.bytes_sent)
+
+    @property
+    def wire_ratio(self) -> float:
+        """Wire bytes of a plain allreduce of the buckets over the wire bytes of what the hook sent."""
+        return byte_ratio(self.dense_wire_bytes, self.wire_bytes)
 
     @property
     def compression_ratio(self) -> float:
-        return self.dense_bytes / self.bytes_sent if self.bytes_sent else math.inf
+        """The handed ratio (:attr:`handed_ratio`), under its former name."""
+        return self.handed_ratio
 
     def as_dict(self) -> dict[str, object]:
-        return {**asdict(self), "compression_ratio": self.compression_ratio}
+        return {**asdict(self), "handed_ratio": self.handed_ratio, "wire_ratio": self.wire_ratio}
+
+
+def byte_ratio(dense: float, sent: float) -> float:
+    """``dense / sent``, the saving of a hook that sent ``sent`` bytes where a plain allreduce sends ``dense``:
+    ``inf`` when nothing was sent, ``nan`` when a plain allreduce would send nothing either (one rank's wire)."""
+    if sent:
+        return dense / sent
+    return math.inf if dense else math.nan
 
 
 @dataclass
@@ -63,6 +93,8 @@ class CommStats:
     """Per-step and cumulative communication statistics of one DDP on this rank."""
 
     hook_name: str = ""
+    group: ProcessGroup | None = field(default=None, repr=False)
+    """The DDP's process group (``None``: the default group): the plain allreduce the wire ratio compares with."""
     measure_error: bool = False
     log_every: int = 0
     jsonl_path: str | Path | None = None
@@ -71,7 +103,9 @@ class CommStats:
     traffic: comm.Traffic = field(default_factory=comm.Traffic, repr=False)
     """Everything this DDP's hook handed to collectives (the DDP counts its hook calls into it)."""
     _current: StepStats | None = field(default=None, repr=False)
-    _traffic_at_start: tuple[dict[str, int], int] = field(default=({}, 0), repr=False)
+    _traffic_at_start: tuple[dict[str, int], dict[tuple[str, int], int], int] = field(
+        default=({}, {}, 0), repr=False
+    )
     _error_sums: list[float] = field(default_factory=lambda: [0.0, 0.0], repr=False)
     _error_steps: int = field(default=0, repr=False)
     _inputs: dict[int, tuple[torch.Tensor, bool]] = field(default_factory=dict, repr=False)
@@ -86,7 +120,9 @@ class CommStats:
     # -- recording, called by the reducers -------------------------------------------------------------
     def begin_step(self) -> None:
         self._current = StepStats(steps=1)
-        self._traffic_at_start = (self.traffic.snapshot(), self.traffic.total_calls)
+        self._traffic_at_start = (
+            self.traffic.snapshot(), self.traffic.snapshot_by_group(), self.traffic.total_calls
+        )
         self._error_sums = [0.0, 0.0]
         self._inputs.clear()
 
@@ -125,11 +161,13 @@ class CommStats:
         step, self._current = self._current, None
         if step is None:
             return
-        before, calls_before = self._traffic_at_start
-        after = self.traffic.snapshot()
-        step.bytes_by_kind = {kind: n - before.get(kind, 0) for kind, n in after.items() if n != before.get(kind, 0)}
+        before, before_by_group, calls_before = self._traffic_at_start
+        step.bytes_by_kind = _difference(self.traffic.snapshot(), before)
         step.bytes_sent = sum(step.bytes_by_kind.values())
         step.collective_calls = self.traffic.total_calls - calls_before
+        step.wire_bytes = comm.group_wire_bytes(_difference(self.traffic.snapshot_by_group(), before_by_group))
+        group_size = comm.group_size(self.group) if dist.is_initialized() else 1
+        step.dense_wire_bytes = comm.wire_bytes({"all_reduce": step.dense_bytes}, group_size)
         if self.measure_error:
             difference, exact = self._error_sums
             step.compression_error = math.sqrt(difference / exact) if exact > 0 else math.sqrt(difference)
@@ -144,6 +182,8 @@ class CommStats:
         total.collective_calls += step.collective_calls
         total.dense_bytes += step.dense_bytes
         total.hook_seconds += step.hook_seconds
+        total.wire_bytes += step.wire_bytes
+        total.dense_wire_bytes += step.dense_wire_bytes
         for kind, nbytes in step.bytes_by_kind.items():
             total.bytes_by_kind[kind] = total.bytes_by_kind.get(kind, 0) + nbytes
         if step.compression_error is not None:
@@ -154,12 +194,13 @@ class CommStats:
     def _emit(self, step: StepStats) -> None:
         if self.log_every and self.total.steps % self.log_every == 0:
             logger.info(
-                "%s step %d: %d bytes in %d collectives (ratio %.2f), hook %.2f ms%s",
+                "%s step %d: %d bytes in %d collectives (handed ratio %.2f, wire ratio %.2f), hook %.2f ms%s",
                 self.hook_name,
                 self.total.steps,
                 step.bytes_sent,
                 step.collective_calls,
-                step.compression_ratio,
+                step.handed_ratio,
+                step.wire_ratio,
                 1e3 * step.hook_seconds,
                 "" if step.compression_error is None else f", error {step.compression_error:.3g}",
             )
@@ -167,3 +208,11 @@ class CommStats:
             record = {"hook": self.hook_name, "step": self.total.steps, **step.as_dict()}
             with open(self.jsonl_path, "a", encoding="utf-8") as stream:
                 stream.write(json.dumps(record) + "\n")
+
+
+K = TypeVar("K")
+
+
+def _difference(after: dict[K, int], before: dict[K, int]) -> dict[K, int]:
+    """The counts that grew from ``before`` to ``after``, by how much."""
+    return {key: n - before.get(key, 0) for key, n in after.items() if n != before.get(key, 0)}
