@@ -4,7 +4,9 @@ Per hook: final loss and metric, MB handed to collectives per step per rank, com
 dense buckets, compute time (no network), measured step time, and the step time projected at 1, 10 and
 100 Gbit/s as ``compute + wire bytes / rate``, where wire bytes are what ring collectives put on each rank's
 link for the measured inputs (see :func:`gradcomm.comm.wire_bytes`). With a shaped link, the *physical floor*
-is the same at the link's rate, and ``measured / floor`` says how close the run came to it.
+is the same at the link's rate, and ``measured / floor`` says how close the run came to it. On emulated hosts
+(``--nodes``) the floor is instead ``compute + host-link bytes / rate``, from the bytes measured on the most
+loaded host link in its busier direction (:func:`host_link_bytes_per_step`): what crossed between hosts.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HookSummary", "PROJECTION_RATES", "print_table", "summarize", "write_outputs"]
+__all__ = [
+    "HookSummary", "PROJECTION_RATES", "host_link_bytes_per_step", "print_table", "summarize", "write_outputs"
+]
 
 PROJECTION_RATES = {"1gbit": 1e9, "10gbit": 10e9, "100gbit": 100e9}
 
@@ -34,10 +38,37 @@ class HookSummary:
     projected_ms: dict[str, float]
     floor_ms: float | None = None
     measured_over_floor: float | None = None
+    host_link_mb_per_step: float | None = None
 
 
-def summarize(run: dict[str, Any], warmup: int, bandwidth_bps: float | None = None) -> HookSummary:
-    """Steady-state figures of one hook's run (steps from ``warmup`` on)."""
+def host_link_bytes_per_step(rank_runs: list[dict[str, Any]], warmup: int) -> float | None:
+    """Bytes per steady step over the busiest emulated host link, in its busier direction; None without.
+
+    ``rank_runs`` holds one hook's run from every rank; those that read their host's link carry
+    ``host_link_bytes``, the link's (sent, received) bytes after each step. The mean over the steps from
+    ``warmup`` on is taken from the counters' totals, so that traffic a host saw late or early in one step is
+    counted in the next or previous one.
+    """
+    per_step = []
+    for run in rank_runs:
+        counters = run.get("host_link_bytes")
+        if not counters:
+            continue
+        first = min(warmup, len(counters) - 1)
+        before = counters[first - 1] if first > 0 else (0, 0)
+        steps = len(counters) - first
+        per_step += [(counters[-1][way] - before[way]) / steps for way in (0, 1)]
+    return max(per_step) if per_step else None
+
+
+def summarize(
+    run: dict[str, Any], warmup: int, bandwidth_bps: float | None = None, host_link_bytes: float | None = None
+) -> HookSummary:
+    """Steady-state figures of one hook's run (steps from ``warmup`` on).
+
+    With ``host_link_bytes`` (per step, :func:`host_link_bytes_per_step`) the floor is the time to move them at
+    ``bandwidth_bps`` rather than the ranks' own wire bytes.
+    """
     steady = slice(min(warmup, len(run["step_seconds"]) - 1), None)
     sent = statistics.median(run["bytes_per_step"][steady])
     wire = statistics.median(run["wire_bytes_per_step"][steady])
@@ -48,6 +79,8 @@ def summarize(run: dict[str, Any], warmup: int, bandwidth_bps: float | None = No
         return 1e3 * (compute + 8 * wire / rate)
 
     floor = projected(bandwidth_bps) if bandwidth_bps else None
+    if bandwidth_bps and host_link_bytes is not None:
+        floor = 1e3 * (compute + 8 * host_link_bytes / bandwidth_bps)
     return HookSummary(
         label=run["label"],
         final_loss=run["final_loss"],
@@ -60,6 +93,7 @@ def summarize(run: dict[str, Any], warmup: int, bandwidth_bps: float | None = No
         projected_ms={name: projected(rate) for name, rate in PROJECTION_RATES.items()},
         floor_ms=floor,
         measured_over_floor=1e3 * measured / floor if floor else None,
+        host_link_mb_per_step=host_link_bytes / 1e6 if host_link_bytes is not None else None,
     )
 
 
@@ -73,6 +107,9 @@ def print_table(summaries: list[HookSummary], title: str) -> None:
         table.add_column(column, justify="left" if column == "hook" else "right")
     for name in PROJECTION_RATES:
         table.add_column(f"@{name} ms", justify="right")
+    with_host_link = any(s.host_link_mb_per_step is not None for s in summaries)
+    if with_host_link:
+        table.add_column("host-link MB/step", justify="right")
     with_floor = any(s.floor_ms is not None for s in summaries)
     if with_floor:
         table.add_column("floor ms", justify="right")
@@ -88,6 +125,8 @@ def print_table(summaries: list[HookSummary], title: str) -> None:
             f"{s.measured_ms:.1f}",
             *(f"{s.projected_ms[name]:.1f}" for name in PROJECTION_RATES),
         ]
+        if with_host_link:
+            row.append(f"{s.host_link_mb_per_step:.3f}" if s.host_link_mb_per_step is not None else "-")
         if with_floor:
             row += [f"{s.floor_ms:.1f}", f"{s.measured_over_floor:.2f}"]
         table.add_row(*row)
