@@ -314,7 +314,7 @@ def _run_hosts(args: argparse.Namespace, argv: list[str]) -> int:
     except NetworkSetupError as exc:
         raise BenchError(f"could not remove the namespaces of earlier runs: {exc}", status=1) from None
     _create(output)
-    print(f"{nodes} emulated hosts x {procs} ranks, one torchrun each; output in {output}/logs/", file=sys.stderr)
+    print(f"{nodes} emulated hosts x {procs} ranks, one torchrun each; their output in {output}/logs/", flush=True)
     try:
         run_hosts(
             argv, nodes=nodes, procs_per_node=procs, rate_bps=rate, latency_s=latency, output=output,

@@ -190,7 +190,9 @@ def _terminate_with_parent() -> None:
 
 
 _ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)", re.MULTILINE)
-_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*$", re.MULTILINE)
+_EXCEPTION_LINE = re.compile(
+    r"^(gradcomm bench: error: .*|[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*)$", re.MULTILINE
+)
 
 
 def _describe(
