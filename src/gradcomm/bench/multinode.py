@@ -190,6 +190,7 @@ def _terminate_with_parent() -> None:
 
 
 _ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)", re.MULTILINE)
+_ROOT_CAUSE_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)[^\n]*?(?:\((SIG\w+)\))?\s*$", re.MULTILINE)
 _EXCEPTION_LINE = re.compile(
     r"^(gradcomm bench: error: .*|[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*)$", re.MULTILINE
 )
@@ -198,21 +199,27 @@ _EXCEPTION_LINE = re.compile(
 def _describe(
     failure: int, procs: list[subprocess.Popen[bytes]], logs: list[Path], log_dir: Path, timeout: float
 ) -> str:
+    """One line: the failed host, and the rank torchrun names as the root cause, with what it raised."""
     if failure < 0:
         return (
             f"the hosts' ranks did not finish within {timeout:g} s and were killed (raise --timeout, or see "
             f"their output in {log_dir})"
         )
-    code = procs[failure].returncode
-    summary = f"host {failure}'s torchrun exited with code {code}"
-    text = _read(logs[failure])
-    ranks = _ROOT_CAUSE_RANK.findall(text.partition("Root Cause")[2])
-    if not ranks:
+    summary = f"host {failure}'s torchrun exited with code {procs[failure].returncode}"
+    root_cause = _read(logs[failure]).partition("Root Cause")[2]
+    rank = _ROOT_CAUSE_RANK.search(root_cause)
+    if rank is None:
         return f"{summary}; its output: {logs[failure]}"
-    rank_log = log_dir / f"rank{ranks[0]}.log"
+    rank_log = log_dir / f"rank{rank.group(1)}.log"
     raised = list(_EXCEPTION_LINE.finditer(_read(rank_log)))
-    what = f": {raised[-1].group(0).strip()}" if raised else ""
-    return f"{summary}: rank {ranks[0]} failed{what}; its output: {rank_log}"
+    exit_code = _ROOT_CAUSE_EXIT.search(root_cause)
+    if raised:
+        what = f"failed: {raised[-1].group(0).strip()}"
+    elif exit_code is not None:
+        what = f"exited with code {exit_code.group(1)}" + (f" ({exit_code.group(2)})" if exit_code.group(2) else "")
+    else:
+        what = "failed"
+    return f"{summary}: rank {rank.group(1)} {what}; its output: {rank_log}"
 
 
 def _read(path: Path) -> str:
