@@ -23,7 +23,15 @@ import pytest
 from gradcomm.__main__ import main
 from gradcomm.bench import multinode
 from gradcomm.bench.multinode import HOST_LINK_ENV
-from gradcomm.testing.network import NetworkSetupError, check_network_privileges, privileges
+from gradcomm.testing.network import (
+    HostNetwork,
+    NetworkSetupError,
+    check_network_privileges,
+    hosts,
+    link_byte_counters,
+    parse_rate,
+    privileges,
+)
 
 GRADCOMM = [sys.executable, "-m", "gradcomm"]
 
@@ -237,4 +245,38 @@ def test_ctrl_c_ends_both_torchruns_and_the_namespaces(tmp_path: Path, privilege
     assert bench.returncode == 130, err
     assert err.strip() == "gradcomm bench: interrupted; all ranks and network namespaces were removed", err
     assert left == [], "torchrun or rank processes outlived the interrupted run"
+    assert [name for name in _netns_names() if name.startswith(f"gc{bench.pid}-")] == []
+
+
+def test_link_counters_refuse_another_namespaces_sysfs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process entered with setns alone sees the sysfs of the namespace it came from: its counters are refused."""
+    with pytest.raises(NetworkSetupError, match=r"no interface 'nosuch0' here; there are \["):
+        link_byte_counters("nosuch0")
+    monkeypatch.setattr(hosts.socket, "if_nameindex", lambda: [(1, "lo"), (2, "eth0"), (9, "only-here")])
+    with pytest.raises(NetworkSetupError, match=r"/sys/class/net shows .*, not this network namespace's interfaces "
+                       r"\['eth0', 'lo', 'only-here'\]: start the process with `ip netns exec`"):
+        link_byte_counters("eth0")
+    with pytest.raises(ValueError, match=r"HostNetwork.exec_command: no host 0; the network has no hosts until it is "
+                       r"opened$"):
+        HostNetwork(2, parse_rate("1gbit")).exec_command(0, ["true"])
+
+
+@pytest.mark.timeout(200)
+def test_a_run_past_its_timeout_ends_in_one_line(tmp_path: Path, privileged: None) -> None:
+    output = tmp_path / "run"
+    bench = subprocess.Popen(_bench(output, "--steps", "100000", "--timeout", "8"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = bench.communicate(timeout=150)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        left = _processes_mentioning(str(output))
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert bench.returncode == 1, err
+    assert err == (
+        f"gradcomm bench: error: the hosts' ranks did not finish within 8 s and were killed (raise --timeout, or see "
+        f"their output in {output / 'logs'})\n"
+    )
+    assert left == []
     assert [name for name in _netns_names() if name.startswith(f"gc{bench.pid}-")] == []

@@ -140,22 +140,46 @@ def run_hosts(
                             preexec_fn=_terminate_with_parent,
                         )
                     )
-            failure = _wait(procs, timeout)
+            failure = _wait(procs, timeout, _Progress(log_dir / "rank0.log"))
         finally:
             _stop(procs, net)
         if failure is not None:
             raise HostsFailure(_describe(failure, procs, logs, log_dir, timeout))
 
 
-def _wait(procs: list[subprocess.Popen[bytes]], timeout: float) -> int | None:
+class _Progress:
+    """Echoes on stdout what rank 0 logs of its progress (``gradcomm.bench.runner``: which hook, which phase)."""
+
+    _LINE = re.compile(r"^.* gradcomm\.bench\.runner: (.*)$", re.MULTILINE)
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self.offset = 0
+
+    def show(self) -> None:
+        try:
+            with open(self.log, "rb") as stream:
+                stream.seek(self.offset)
+                text = stream.read()
+        except OSError:
+            return
+        complete = text[: text.rfind(b"\n") + 1]  # whole lines only; the rest is read next time
+        self.offset += len(complete)
+        for line in self._LINE.finditer(complete.decode(errors="replace")):
+            print(f"rank 0: {line.group(1)}", flush=True)
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], timeout: float, progress: _Progress) -> int | None:
     """Wait until every torchrun succeeded (None), one failed (its host), or ``timeout`` passed (-1)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        progress.show()
         codes = [proc.poll() for proc in procs]
         failed = [host for host, code in enumerate(codes) if code not in (None, 0)]
         if failed:
             return failed[0]
         if all(code == 0 for code in codes):
+            progress.show()
             return None
         time.sleep(_POLL_SECONDS)
     return -1
@@ -182,11 +206,19 @@ def _stop(procs: list[subprocess.Popen[bytes]], net: HostNetwork) -> None:
 
 
 def _terminate_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent dies (torchrun then ends its ranks)."""
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    """In the child, before exec: SIGTERM when the parent dies (torchrun then ends its ranks).
+
+    libc is loaded by the parent (:data:`_LIBC`): between fork and exec the child runs nothing that could
+    wait for a lock another thread of the parent held.
+    """
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+try:
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL(ctypes.util.find_library("c") or None)
+except OSError:  # no libc to load (not Linux): the parent's clean-up is all there is
+    _LIBC = None
 
 
 _ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)", re.MULTILINE)

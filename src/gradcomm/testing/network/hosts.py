@@ -49,7 +49,8 @@ class HostNetwork(ShapedNetwork):
     def exec_command(self, host: int, argv: list[str]) -> list[str]:
         """The command line running ``argv`` in host ``host``'s namespace (``ip netns exec``)."""
         if not 0 <= host < len(self.namespaces):
-            raise ValueError(f"HostNetwork.exec_command: no host {host}; the network has {len(self.namespaces)}")
+            hosts = f"{len(self.namespaces)} hosts" if self.namespaces else "no hosts until it is opened"
+            raise ValueError(f"HostNetwork.exec_command: no host {host}; the network has {hosts}")
         return [_tool("ip"), "netns", "exec", self.namespaces[host], *argv]
 
     def kill_processes(self) -> list[int]:
