@@ -31,6 +31,7 @@ from gradcomm.testing.network import (
     link_byte_counters,
     parse_rate,
     privileges,
+    remove_stale_networks,
 )
 
 GRADCOMM = [sys.executable, "-m", "gradcomm"]
@@ -279,4 +280,34 @@ def test_a_run_past_its_timeout_ends_in_one_line(tmp_path: Path, privileged: Non
         f"their output in {output / 'logs'})\n"
     )
     assert left == []
+    assert [name for name in _netns_names() if name.startswith(f"gc{bench.pid}-")] == []
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_parent_s_torchruns_end_their_ranks_and_the_next_run_removes_its_hosts(
+    tmp_path: Path, privileged: None
+) -> None:
+    """SIGKILL cleans nothing up: the kernel sends each torchrun SIGTERM, which ends its ranks; the namespaces
+    stay until :func:`remove_stale_networks`, which every run calls first, removes them."""
+    output = tmp_path / "run"
+    bench = subprocess.Popen(
+        _bench(output, "--steps", "100000"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        _wait_until_training(bench, output / "logs" / "rank0.log", rank=0)
+        bench.kill()
+        bench.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while _processes_mentioning(str(output)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        left = _processes_mentioning(str(output))
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert left == [], "torchrun or rank processes outlived their killed parent"
+    hosts_left = [name for name in _netns_names() if re.fullmatch(rf"gc{bench.pid}-\d+-h\d", name)]
+    assert len(hosts_left) == 2, _netns_names()
+    removed = remove_stale_networks()
+    assert set(hosts_left) <= set(removed)
     assert [name for name in _netns_names() if name.startswith(f"gc{bench.pid}-")] == []
