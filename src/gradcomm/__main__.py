@@ -21,9 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--world-size", type=int, default=2)
     demo.add_argument("--steps", type=int, default=60)
     demo.add_argument("--hook", default=None, help="communication hook name (default: plain averaging)")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if args.command == "bench":
-        return bench_cli.run(args)
+        return bench_cli.run(args, argv[argv.index("bench") + 1 :] if "bench" in argv else None)
     from gradcomm.bench.demo import run_demo
 
     if args.world_size < 1 or args.steps < 1:

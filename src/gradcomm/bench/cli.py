@@ -8,12 +8,17 @@ A run loses nothing and leaves nothing: every argument, hook option and the outp
 a rank starts (exit 2); the ranks' own output goes to ``<output>/logs/rank<i>.log``
 (:mod:`gradcomm.bench.launch`); Ctrl-C or a failed rank ends every rank and namespace at once, and a run
 with ``--bandwidth`` first removes the namespaces a killed run left behind.
+
+With ``--nodes N --procs-per-node P`` it emulates N machines of P ranks each, joined by a link shaped to
+``--bandwidth``, and starts them as a real multi-node job, one torchrun per host
+(:mod:`gradcomm.bench.multinode`).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import logging
 import math
 import os
@@ -63,7 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--steps", type=int, default=150, help="training steps per hook")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the steady-state figures")
-    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--world-size", type=int, default=None, help="local ranks (default 2)")
+    parser.add_argument("--nodes", type=int, default=None, help="emulated hosts, each a network namespace "
+                        "shared by its ranks, joined by a link shaped to --bandwidth, one torchrun each (root)")
+    parser.add_argument("--procs-per-node", type=int, default=None, help="ranks per --nodes host (default 1)")
     parser.add_argument("--bucket-cap-mb", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -176,11 +184,13 @@ def _check_target(args: argparse.Namespace) -> None:
         raise BenchError(f"--target-loss must be a finite number, got {args.target_loss:g}")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the bench; return the exit status."""
+def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    """Run the bench; return the exit status. ``argv``: the bench's own arguments, passed on by ``--nodes``."""
     try:
         if {"RANK", "WORLD_SIZE", "LOCAL_RANK"} <= os.environ.keys():
             return _run_under_torchrun(args)
+        if args.nodes is not None or args.procs_per_node is not None:
+            return _run_hosts(args, sys.argv[2:] if argv is None else argv)
         return _run_locally(args)
     except BenchError as exc:
         print(f"gradcomm bench: error: {exc}", file=sys.stderr)
@@ -231,14 +241,15 @@ def _run_locally(args: argparse.Namespace) -> int:
         remove_stale_networks,
     )
 
-    config = _config(args, args.world_size, "cpu")
+    world_size = 2 if args.world_size is None else args.world_size
+    config = _config(args, world_size, "cpu")
     rate = latency = None
     network: AbstractContextManager[Any] = nullcontext()
     try:
         if args.bandwidth is not None:
             rate, latency = parse_rate(args.bandwidth), parse_duration(args.latency)
             check_network_privileges()
-            network = ShapedNetwork(args.world_size, rate, latency)
+            network = ShapedNetwork(world_size, rate, latency)
     except ValueError as exc:
         raise BenchError(str(exc)) from None
     except NetworkSetupError as exc:
@@ -258,7 +269,7 @@ def _run_locally(args: argparse.Namespace) -> int:
             placement = {} if net is None else {"namespaces": net.namespaces, "master_addr": net.master_addr}
             runs = run_ranks(
                 bench_rank,
-                args.world_size,
+                world_size,
                 args=(config, progress_queue),
                 log_dir=output / "logs",
                 timeout=args.timeout,
@@ -280,18 +291,104 @@ def _run_locally(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hosts(args: argparse.Namespace) -> tuple[int, int]:
+    """``(--nodes, --procs-per-node)``, checked against each other and --world-size."""
+    if args.nodes is None:
+        raise BenchError("--procs-per-node is the number of ranks on each of --nodes hosts: give --nodes too")
+    procs = 1 if args.procs_per_node is None else args.procs_per_node
+    if args.nodes < 1:
+        raise BenchError(f"--nodes must be at least 1, got {args.nodes}")
+    if procs < 1:
+        raise BenchError(f"--procs-per-node must be at least 1, got {procs}")
+    if args.world_size is not None and args.world_size != args.nodes * procs:
+        raise BenchError(
+            f"--world-size {args.world_size} differs from --nodes {args.nodes} x --procs-per-node {procs} = "
+            f"{args.nodes * procs} ranks; leave --world-size out with --nodes"
+        )
+    if args.bandwidth is None:
+        raise BenchError("--nodes emulates hosts joined by a shaped link: give its rate, e.g. --bandwidth 1gbit")
+    return args.nodes, procs
+
+
+def _run_hosts(args: argparse.Namespace, argv: list[str]) -> int:
+    from gradcomm.bench.multinode import HostsFailure, run_hosts
+    from gradcomm.bench.report import HookSummary, Projection, print_table
+    from gradcomm.testing.network import (
+        NetworkSetupError,
+        check_network_privileges,
+        parse_duration,
+        parse_rate,
+        remove_stale_networks,
+    )
+
+    nodes, procs = _hosts(args)
+    config = _config(args, nodes * procs, "cpu")  # the ranks check it again; refused here, nothing starts
+    try:
+        rate, latency = parse_rate(args.bandwidth), parse_duration(args.latency)
+        check_network_privileges()
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
+    except NetworkSetupError as exc:
+        raise BenchError(f"--nodes needs network namespaces: {exc}") from None
+    output = _output_folder(args.output)
+    try:
+        remove_stale_networks()
+    except NetworkSetupError as exc:
+        raise BenchError(f"could not remove the namespaces of earlier runs: {exc}", status=1) from None
+    _create(output)
+    print(f"{nodes} emulated hosts x {procs} ranks, one torchrun each; their output in {output}/logs/", flush=True)
+    try:
+        run_hosts(
+            argv, nodes=nodes, procs_per_node=procs, rate_bps=rate, latency_s=latency, output=output,
+            timeout=args.timeout,
+        )
+    except NetworkSetupError as exc:
+        raise BenchError(f"could not set up the hosts' network: {exc}", status=1) from None
+    except HostsFailure as exc:
+        raise BenchError(str(exc), status=1) from None
+    try:
+        document = json.loads((output / "results.json").read_text())
+        summaries = [HookSummary(**s) for s in document["summaries"]]
+        described = document["config"]
+        projection = Projection(**described["projection"]) if described["projection"] else None
+        title = (
+            f"{_title(args, config, nodes * procs)}; target loss {described['target_loss']:.4f} "
+            f"({described['target_loss_rule']})"
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BenchError(f"the ranks ended without writing {output / 'results.json'}: {exc}", status=1) from None
+    print_table(summaries, title, projection)
+    print(f"results written to {output}/ (results.json, results.csv, plot.png; the ranks' output in logs/)")
+    return 0
+
+
 def _run_under_torchrun(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
+    from gradcomm.bench.multinode import HOST_LINK_ENV, redirect_rank_output
     from gradcomm.bench.runner import bench_rank
+    from gradcomm.testing.network import parse_rate
 
-    if args.bandwidth is not None:
+    emulated = HOST_LINK_ENV in os.environ  # started by --nodes, which shaped the link to --bandwidth
+    if emulated:
+        redirect_rank_output(int(os.environ["RANK"]))
+    elif args.bandwidth is not None:
         raise BenchError("--bandwidth shapes local namespaced ranks; under torchrun the real network is measured")
+    elif args.nodes is not None or args.procs_per_node is not None:
+        raise BenchError(
+            "--nodes and --procs-per-node start torchrun on emulated hosts; under torchrun leave them out "
+            "(torchrun's --nnodes and --nproc-per-node place the ranks)"
+        )
     local_rank = int(os.environ["LOCAL_RANK"])
     device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     # Checked on every rank before the rendezvous: a refusal ends them all, and torchrun ends the job.
     config = _config(args, int(os.environ["WORLD_SIZE"]), device)
+    rate = None
+    if emulated:
+        rate = parse_rate(args.bandwidth)
+        if local_rank == 0:
+            config.host_link = os.environ[HOST_LINK_ENV]
     output = _output_folder(args.output) if os.environ["RANK"] == "0" else None
     if device.startswith("cuda"):
         torch.cuda.set_device(local_rank)
@@ -304,16 +401,27 @@ def _run_under_torchrun(args: argparse.Namespace) -> int:
         dist.all_gather_object(gathered, runs)
         if output is not None:
             _create(output)
-            _report(args, config, gathered, output, None)
+            _report(args, config, gathered, output, rate)
     finally:
         dist.destroy_process_group()
+    if emulated:  # as local ranks do: no C++ destructor can abort a finished rank (gradcomm.testing.processes)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
 def _report(
     args: argparse.Namespace, config: BenchConfig, runs: list[list[dict[str, Any]]], output: Path, rate: float | None
 ) -> None:
-    from gradcomm.bench.report import Projection, choose_target, print_table, summarize, write_outputs
+    from gradcomm.bench.report import (
+        Projection,
+        choose_target,
+        host_link_bytes_per_step,
+        print_table,
+        summarize,
+        write_outputs,
+    )
     from gradcomm.testing.network import parse_rate
 
     projection = None
@@ -322,7 +430,13 @@ def _report(
     elif rate is not None:
         projection = Projection(args.bandwidth, rate)
     target = choose_target(runs[0], config.target_loss)
-    summaries = [summarize(run, config.warmup, rate, target, projection) for run in runs[0]]
+    summaries = [
+        summarize(
+            run, config.warmup, rate, target, projection,
+            host_link_bytes_per_step([ranks[h] for ranks in runs], config.warmup),
+        )
+        for h, run in enumerate(runs[0])
+    ]
     described = {
         **asdict(config),
         "hooks": [choice.label for choice in config.hooks],
@@ -333,19 +447,25 @@ def _report(
         "target_loss": target.loss,
         "target_loss_rule": target.rule,
         "projection": None if projection is None else asdict(projection),
+        "nodes": args.nodes,
+        "procs_per_node": args.procs_per_node,
         "command": " ".join(["gradcomm", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None,
     }
-    link = f" behind {args.bandwidth} links" if args.bandwidth else ""
-    title = (
-        f"{config.workload}, {len(runs)} ranks{link}, {config.steps} steps per hook; "
-        f"target loss {target.loss:.4f} ({target.rule})"
-    )
+    title = f"{_title(args, config, len(runs))}; target loss {target.loss:.4f} ({target.rule})"
     print_table(summaries, title, projection)
     try:
         paths = write_outputs(output, described, runs, summaries, target, projection)
     except OSError as exc:
         raise BenchError(f"could not write the results to {output}: {exc}", status=1) from None
     print(f"results written to {output}/ ({', '.join(p.name for p in paths.values())})")
+
+
+def _title(args: argparse.Namespace, config: BenchConfig, world_size: int) -> str:
+    if args.nodes is not None:
+        ranks = f"{args.nodes} hosts x {world_size // args.nodes} ranks behind {args.bandwidth} host links"
+    else:
+        ranks = f"{world_size} ranks" + (f" behind {args.bandwidth} links" if args.bandwidth else "")
+    return f"{config.workload}, {ranks}, {config.steps} steps per hook"
 
 
 class _progress:

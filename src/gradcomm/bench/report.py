@@ -6,7 +6,9 @@ a plain allreduce of the buckets puts on the link over what the hook put there),
 measured step time, and the step time projected at 1, 10 and 100 Gbit/s as ``compute + wire bytes / rate``,
 where wire bytes are what ring collectives put on each rank's link for the measured inputs (see
 :func:`gradcomm.comm.group_wire_bytes`). With a shaped link, the *physical floor* is the same at the link's
-rate, and ``measured / floor`` says how close the run came to it.
+rate, and ``measured / floor`` says how close the run came to it. On emulated hosts (``--nodes``) the floor
+is instead ``compute + host-link bytes / rate``, from the bytes measured on the most loaded host link in its
+busier direction (:func:`host_link_bytes_per_step`): what crossed between hosts.
 
 *Time to target loss* answers the bench's question in time: the wall-clock seconds (rank 0's measured step
 times, summed from the first step: warm-up steps are real time too) until the training loss, smoothed by the
@@ -39,6 +41,7 @@ __all__ = [
     "Projection",
     "Target",
     "choose_target",
+    "host_link_bytes_per_step",
     "print_table",
     "projected_step_seconds",
     "smoothed",
@@ -89,6 +92,7 @@ class HookSummary:
     measured_over_floor: float | None = None
     time_to_target_s: float | None = None
     projected_time_to_target_s: float | None = None
+    host_link_mb_per_step: float | None = None
 
 
 def smoothed(losses: Sequence[float], decay: float = EMA_DECAY) -> list[float]:
@@ -145,15 +149,40 @@ def projected_step_seconds(run: dict[str, Any], rate_bps: float) -> list[float]:
     return [run["compute_seconds"] + 8 * wire / rate_bps for wire in run["wire_bytes_per_step"]]
 
 
+def host_link_bytes_per_step(rank_runs: list[dict[str, Any]], warmup: int) -> float | None:
+    """Bytes per steady step over the busiest emulated host link, in its busier direction; None without.
+
+    ``rank_runs`` holds one hook's run from every rank; those that read their host's link carry
+    ``host_link_bytes``, the link's (sent, received) bytes after each step. The mean over the steps from
+    ``warmup`` on is taken from the counters' totals, so that traffic a host saw late or early in one step is
+    counted in the next or previous one.
+    """
+    per_step = []
+    for run in rank_runs:
+        counters = run.get("host_link_bytes")
+        if not counters:
+            continue
+        first = min(warmup, len(counters) - 1)
+        before = counters[first - 1] if first > 0 else (0, 0)
+        steps = len(counters) - first
+        per_step += [(counters[-1][way] - before[way]) / steps for way in (0, 1)]
+    return max(per_step) if per_step else None
+
+
 def summarize(
     run: dict[str, Any],
     warmup: int,
     bandwidth_bps: float | None = None,
     target: Target | None = None,
     projection: Projection | None = None,
+    host_link_bytes: float | None = None,
 ) -> HookSummary:
     """Steady-state figures of one hook's run (steps from ``warmup`` on), and its times to ``target``
-    (measured, and at ``projection``'s rate when given)."""
+    (measured, and at ``projection``'s rate when given).
+
+    With ``host_link_bytes`` (per step, :func:`host_link_bytes_per_step`) the floor is the time to move them at
+    ``bandwidth_bps`` rather than the ranks' own wire bytes.
+    """
     steady = slice(min(warmup, len(run["step_seconds"]) - 1), None)
     sent = statistics.median(run["bytes_per_step"][steady])
     wire = statistics.median(run["wire_bytes_per_step"][steady])
@@ -164,6 +193,8 @@ def summarize(
         return 1e3 * (compute + 8 * wire / rate)
 
     floor = projected(bandwidth_bps) if bandwidth_bps else None
+    if bandwidth_bps and host_link_bytes is not None:
+        floor = 1e3 * (compute + 8 * host_link_bytes / bandwidth_bps)
     to_target = projected_to_target = None
     if target is not None:
         to_target = time_to_loss(run["step_seconds"], run["losses"], target.loss)
@@ -186,6 +217,7 @@ def summarize(
         measured_over_floor=1e3 * measured / floor if floor else None,
         time_to_target_s=to_target,
         projected_time_to_target_s=projected_to_target,
+        host_link_mb_per_step=host_link_bytes / 1e6 if host_link_bytes is not None else None,
     )
 
 
@@ -201,6 +233,9 @@ def print_table(summaries: list[HookSummary], title: str, projection: Projection
         table.add_column(column, justify="left" if column == "hook" else "right")
     for name in PROJECTION_RATES:
         table.add_column(f"@{name} ms", justify="right")
+    with_host_link = any(s.host_link_mb_per_step is not None for s in summaries)
+    if with_host_link:
+        table.add_column("host-link MB/step", justify="right")
     with_floor = any(s.floor_ms is not None for s in summaries)
     if with_floor:
         table.add_column("floor ms", justify="right")
@@ -220,6 +255,8 @@ def print_table(summaries: list[HookSummary], title: str, projection: Projection
             f"{s.measured_ms:.1f}",
             *(f"{s.projected_ms[name]:.1f}" for name in PROJECTION_RATES),
         ]
+        if with_host_link:
+            row.append(f"{s.host_link_mb_per_step:.3f}" if s.host_link_mb_per_step is not None else "-")
         if with_floor:
             row += [f"{s.floor_ms:.1f}", f"{s.measured_over_floor:.2f}"]
         row.append(_seconds(s.time_to_target_s))

@@ -11,6 +11,10 @@ For every hook, with the same seed and data:
 
 Steady-state figures (median step time, bytes per step) skip the first ``warmup`` steps, which include the
 bucket rebuild and, for PowerSGD, its allreduce warm-up iterations.
+
+On emulated hosts (``gradcomm bench --nodes``) the rank that reads its host's link (``BenchConfig.host_link``,
+one per host) also records after every training step the bytes the link has sent and received since the
+hook's training began: what actually crossed between hosts.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch import nn
 from gradcomm.bench.workloads import WORKLOADS, Workload
 from gradcomm.ddp.distributed import DistributedDataParallel
 from gradcomm.hooks.registry import check_options, make_comm_hook, resolve_hook_name
+from gradcomm.testing.network import link_byte_counters
 
 __all__ = ["BenchConfig", "HookChoice", "HookRun", "bench_rank", "hook_options"]
 
@@ -102,6 +107,7 @@ class BenchConfig:
     """A link rate to project times to the target loss at (``--project``), as given; checked by the CLI."""
     target_loss: float | None = None
     """The target loss given by the user (``--target-loss``); ``None``: chosen from the runs."""
+    host_link: str | None = None  # interface of this rank's emulated host link, whose counters it records
 
 
 @dataclass
@@ -123,6 +129,7 @@ class HookRun:
     final_loss: float
     final_metric: float
     metric_name: str
+    host_link_bytes: list[tuple[int, int]] | None = None  # (sent, received) since training began, per step
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -180,6 +187,9 @@ def run_hook(
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=config.lr)
     stats = ddp.comm_stats()
     losses, seconds, sent, wire = [], [], [], []
+    link: list[tuple[int, int]] | None = None
+    if config.host_link is not None:
+        link, link_start = [], link_byte_counters(config.host_link)
     for step in range(config.steps):
         batch = workload.batch(rank, step)
         start = time.perf_counter()
@@ -189,6 +199,9 @@ def run_hook(
         losses.append(loss.item())
         sent.append(stats.last.bytes_sent)
         wire.append(stats.last.wire_bytes)
+        if link is not None:
+            tx, rx = link_byte_counters(config.host_link)
+            link.append((tx - link_start[0], rx - link_start[1]))
         if progress is not None:
             progress(choice.label, step + 1)
     averaged = torch.tensor(losses, dtype=torch.float64, device=config.device)
@@ -211,6 +224,7 @@ def run_hook(
         final_loss=final_loss,
         final_metric=final_metric,
         metric_name=workload.metric_name,
+        host_link_bytes=link,
     )
 
 

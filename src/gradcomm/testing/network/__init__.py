@@ -33,6 +33,8 @@ The modules, each with the details of its part:
   ``GLOO_SOCKET_IFNAME``).
 * :mod:`~gradcomm.testing.network.shaped`: :class:`ShapedNetwork`: building the network, shaping (tbf) and
   latency (netem, or the relay).
+* :mod:`~gradcomm.testing.network.hosts`: :class:`HostNetwork`, the same network with one namespace per
+  emulated host shared by its ranks, and :func:`link_byte_counters`, what crossed a host's link.
 * :mod:`~gradcomm.testing.network.cleanup`: removal at exit, on SIGINT/SIGTERM, and
   :func:`remove_stale_networks` for what a killed process left behind.
 * :mod:`~gradcomm.testing.network.relay`: the user-space delay relay, a separate process in the switch
@@ -41,6 +43,7 @@ The modules, each with the details of its part:
 
 from .cleanup import remove_stale_networks
 from .commands import NetworkSetupError
+from .hosts import HostNetwork, link_byte_counters
 from .namespaces import RANK_IFNAME, enter_namespace
 from .parsing import parse_duration, parse_rate
 from .privileges import check_network_privileges
@@ -48,10 +51,12 @@ from .shaped import ShapedNetwork
 
 __all__ = [
     "RANK_IFNAME",
+    "HostNetwork",
     "NetworkSetupError",
     "ShapedNetwork",
     "check_network_privileges",
     "enter_namespace",
+    "link_byte_counters",
     "parse_duration",
     "parse_rate",
     "remove_stale_networks",

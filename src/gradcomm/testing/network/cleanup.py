@@ -24,7 +24,7 @@ from .namespaces import _NAME_RE, _existing_namespaces
 if TYPE_CHECKING:
     from .shaped import ShapedNetwork
 
-__all__ = ["remove_stale_networks"]
+__all__ = ["kill_processes_in", "remove_stale_networks"]
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +88,8 @@ def _unregister(net: ShapedNetwork) -> None:
 def remove_stale_networks() -> list[str]:
     """Remove namespaces left by dead processes (owner pid, encoded in the name, no longer running).
 
-    Only names of the form ``gc<pid>-<n>-{br,probe,r<i>}`` are considered. Processes still inside one (ranks
-    of a launcher killed before it could end them) are killed first: a namespace, with its veth pairs and
+    Only names of the form ``gc<pid>-<n>-{br,probe,r<i>,h<i>}`` are considered. Processes still inside one
+    (ranks of a launcher killed before it could end them) are killed first: a namespace, with its veth pairs and
     bridge, lives on while a process is in it, even once its name is removed. ``gradcomm bench`` calls this
     before it builds a network. Returns the names removed.
     """
@@ -102,12 +102,8 @@ def remove_stale_networks() -> list[str]:
         if pid == os.getpid() or _pid_alive(pid):
             continue
         try:
-            for inside in _run(f"ip netns pids {name}", what="list processes in a stale namespace").split():
-                try:
-                    os.kill(int(inside), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                log.info("network: killed process %s left in stale namespace %s", inside, name)
+            for inside in kill_processes_in(name):
+                log.info("network: killed process %d left in stale namespace %s", inside, name)
             _run(f"ip netns delete {name}", what="remove a stale network namespace")
         except NetworkSetupError as exc:
             log.warning("network: %s", exc)
@@ -116,6 +112,22 @@ def remove_stale_networks() -> list[str]:
     if removed:
         log.info("network: removed stale namespaces %s", ", ".join(removed))
     return removed
+
+
+def kill_processes_in(namespace: str) -> list[int]:
+    """SIGKILL every process in network namespace ``namespace`` (``ip netns pids``); return their pids.
+
+    Raises:
+        NetworkSetupError: the processes could not be listed (the namespace is gone, or not root).
+    """
+    killed = []
+    for inside in _run(f"ip netns pids {namespace}", what="list the processes in a network namespace").split():
+        try:
+            os.kill(int(inside), signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        killed.append(int(inside))
+    return killed
 
 
 def _pid_alive(pid: int) -> bool:

@@ -1,7 +1,8 @@
 """Names of the emulated network's namespaces, and entering one (:func:`enter_namespace`).
 
 Namespace names carry the owner's pid and a per-process counter (``gc<pid>-<n>-br`` for the switch,
-``gc<pid>-<n>-r<i>`` for rank ``i``, ``gc<pid>-<n>-probe`` for :func:`check_network_privileges`' test), so
+``gc<pid>-<n>-r<i>`` for rank ``i``, ``gc<pid>-<n>-h<i>`` for emulated host ``i`` of a
+:class:`~gradcomm.testing.network.HostNetwork`, ``gc<pid>-<n>-probe`` for :func:`check_network_privileges`' test), so
 parallel runs never collide; :func:`_new_prefix` picks a free ``gc<pid>-<n>``. They are files under
 :data:`NETNS_DIR`, where ``ip netns add`` puts them.
 
@@ -33,7 +34,7 @@ RANK_IFNAME = "eth0"
 NETNS_DIR = "/var/run/netns"
 _BRIDGE = "br0"
 _CLONE_NEWNET = 0x40000000
-_NAME_RE = re.compile(r"^gc(?P<pid>\d+)-(?P<n>\d+)-(?P<role>br|probe|r\d+)$")
+_NAME_RE = re.compile(r"^gc(?P<pid>\d+)-(?P<n>\d+)-(?P<role>br|probe|[rh]\d+)$")
 _RANK_NAME_RE = re.compile(r"^gc\d+-\d+-r\d+$")
 
 _counter = itertools.count()

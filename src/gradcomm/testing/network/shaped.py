@@ -126,6 +126,7 @@ class ShapedNetwork:
     """
 
     ifname = RANK_IFNAME
+    _role = "r"  # namespace i is ``<prefix>-<role><i>``; a HostNetwork's are hosts, ``h``
 
     def __init__(self, world_size: int, rate_bps: int, latency_s: float = 0.0, *, delay_method: str = "auto"):
         if not isinstance(world_size, int) or not 1 <= world_size <= _MAX_WORLD_SIZE:
@@ -199,7 +200,7 @@ class ShapedNetwork:
         self.subnet = _pick_subnet()
         self.prefix = _new_prefix()
         self.bridge_namespace = f"{self.prefix}-br"
-        self.namespaces = [f"{self.prefix}-r{i}" for i in range(self.world_size)]
+        self.namespaces = [f"{self.prefix}-{self._role}{i}" for i in range(self.world_size)]
         hosts = list(self.subnet.hosts())
         self.addresses = [str(hosts[i]) for i in range(self.world_size)]
         self.master_addr = self.addresses[0]
