@@ -12,6 +12,7 @@ checks the degenerate topologies and the topology errors. The rest needs no proc
 
 from __future__ import annotations
 
+import datetime
 import io
 import os
 from typing import Any
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradcomm
+from gradcomm.comm.faults import process_group_timeout
 from gradcomm.hooks import default_hooks
 from gradcomm.hooks.hierarchical_hook import HierarchicalState, hierarchical_hook
 from gradcomm.hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
@@ -80,8 +82,10 @@ def _four_ranks() -> dict[str, Any]:
         out[f"{kind} allreduce"] = _train(ddp, range(STEPS), grads)
         out[f"{kind} allreduce grads"] = grads
 
-        ddp = make_ddp(kind, _model())
-        state = register_comm_hook_by_name(ddp, "hierarchical", **POWERSGD)
+        # on gradcomm's DDP over a group of all ranks with a timeout of its own (as gradcomm bench does)
+        group = dist.new_group(timeout=datetime.timedelta(seconds=20)) if kind == "gradcomm" else None
+        ddp = make_ddp(kind, _model(), process_group=group)
+        state = register_comm_hook_by_name(ddp, "hierarchical", process_group=group, **POWERSGD)
         grads = []
         out[f"{kind} powersgd"] = _train(ddp, range(STEPS), grads)
         out[f"{kind} powersgd grads"] = grads
@@ -90,6 +94,7 @@ def _four_ranks() -> dict[str, Any]:
             "iter": inner.iter,
             "errors": len(inner.error_dict),
             "group": dist.get_process_group_ranks(inner.process_group) if inner.process_group is not None else None,
+            "timeout": process_group_timeout(inner.process_group) if inner.process_group is not None else None,
         }
         if kind == "gradcomm":
             out["bytes sent"] = ddp.comm_stats().total.bytes_sent
@@ -135,9 +140,10 @@ def test_two_nodes_of_two_ranks() -> None:
                 np.testing.assert_array_equal(got, same_node)
             inner = result[f"{kind} powersgd inner"]
             if rank == leader:  # the inner PowerSGD runs among the leaders, compressing from step 2
-                assert inner == {"iter": STEPS, "errors": 6, "group": [0, 2]}, (kind, rank, inner)
+                timeout = 20.0 if kind == "gradcomm" else 25.0  # the hook's process group's
+                assert inner == {"iter": STEPS, "errors": 6, "group": [0, 2], "timeout": timeout}, (kind, rank, inner)
             else:
-                assert inner == {"iter": 0, "errors": 0, "group": None}, (kind, rank, inner)
+                assert inner == {"iter": 0, "errors": 0, "group": None, "timeout": None}, (kind, rank, inner)
         # across nodes the averaged gradients are the same, but not the exact average once PowerSGD compresses
         final_grads = [r[f"{kind} powersgd grads"][-1] for r in by_rank]
         assert all(np.array_equal(final_grads[0], g) for g in final_grads)
@@ -174,7 +180,7 @@ def _two_ranks() -> dict[str, Any]:
 
     out["not a multiple"] = topology(3)
     out["disagree"] = topology([1, 2][rank])
-    out["other group"] = topology(2, dist.new_group([0, 1]))
+    out["other group"] = topology(2, dist.new_group([0]))
     local_world_size = os.environ.pop("LOCAL_WORLD_SIZE")
     out["unknown"] = topology(None)
     os.environ["LOCAL_WORLD_SIZE"] = "1"  # as if each rank were alone on its node, but LOCAL_RANK is still the rank
@@ -215,15 +221,16 @@ def test_one_node_one_rank_per_node_and_topology_errors() -> None:
             "ValueError: HierarchicalState: the ranks disagree on the number of ranks per node (ranks 0: 1; "
             "ranks 1: 2); pass the same ranks_per_node on every rank"
         )
-        assert result["other group"] == (
-            "ValueError: HierarchicalState: process_group must be the default group (None): the node groups are "
-            "made from its ranks, but a group of 2 ranks was given"
-        )
         assert result["unknown"] == (
             f"ValueError: HierarchicalState: the number of ranks per node is unknown on rank {rank}: ranks_per_node "
             "was not given and LOCAL_WORLD_SIZE is not set. Pass ranks_per_node=..., or launch with torchrun, "
             "which sets LOCAL_WORLD_SIZE"
         )
+    assert by_rank[0]["other group"] == (
+        "ValueError: HierarchicalState: process_group has 1 of the 2 ranks, but the node groups are created by every "
+        "rank of the default group (torch.distributed.new_group), so it must hold every rank: pass "
+        "process_group=None, or a group of all ranks"
+    )
     assert by_rank[0]["local rank"] == (
         "ValueError: HierarchicalState: rank(s) 1 could not determine the number of ranks per node (their own "
         "errors say why); every rank needs the same ranks_per_node"

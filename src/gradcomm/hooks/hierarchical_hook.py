@@ -28,15 +28,15 @@ Trade-offs:
 * The inner hook's state (PowerSGD's error feedback, its iteration count) advances on the leaders only; the
   other ranks' inner states stay as built. Each rank checkpoints its own (one file per rank, as always).
 
-Topology: the ranks of the default group are split into nodes of ``ranks_per_node`` consecutive ranks (the
-way torchrun numbers them: node ``n`` holds ranks ``n * ranks_per_node`` to ``(n + 1) * ranks_per_node - 1``,
-the first being its leader). ``ranks_per_node`` defaults to torchrun's ``LOCAL_WORLD_SIZE``; the world size
+Topology: the ranks of the state's process group (the default group, or another group of every rank) are
+split into nodes of ``ranks_per_node`` consecutive ranks (the way torchrun numbers them: node ``n`` holds
+ranks ``n * ranks_per_node`` to ``(n + 1) * ranks_per_node - 1``, the first being its leader). ``ranks_per_node`` defaults to torchrun's ``LOCAL_WORLD_SIZE``; the world size
 must be a multiple of it, and every rank must have the same value (checked at the first call).
 
 Groups are created lazily, at the hook's first call (the first bucket of the first backward, the same point
 on every rank, so the state can be built before ``init_process_group``), with ``torch.distributed.new_group``
 called by every rank for every group in the same order: one *reduce* group per node, one *broadcast* group per
-node, then the group of the node leaders. A node has two groups so that its broadcasts, which wait for the
+node, then the group of the node leaders, each with the process group's timeout. A node has two groups so that its broadcasts, which wait for the
 inter-node stage, never hold up the next buckets' reduces: each group's collectives are launched in bucket
 order on every rank, the reduces at once from the hook's call, the inner hook's calls and the broadcasts
 through an :class:`~gradcomm.comm.launcher.OrderedLauncher` each, from whichever thread completes the stage
@@ -63,6 +63,7 @@ at the first call (a stateless inner hook, whose state is its process group, get
 
 # No ``from __future__ import annotations``: torch's DDP compares the hook's annotations with real types.
 
+import datetime
 import functools
 import logging
 import os
@@ -74,6 +75,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from gradcomm import comm
+from gradcomm.comm.faults import process_group_timeout
 from gradcomm.comm.launcher import OrderedLauncher
 from gradcomm.hooks.contract import _torch_declarations, check_hook, hook_name
 from gradcomm.hooks.hook_state import _GROUP_RANKS_KEY, HookState
@@ -118,8 +120,8 @@ class HierarchicalState(HookState):
             attached to the inter-node group of the leaders at the first call.
         ranks_per_node: ranks on each node; ``None`` for torchrun's ``LOCAL_WORLD_SIZE``, read at the first
             call. The world size must be a multiple of it.
-        process_group: the group to average over; only the default group (``None``) is supported, since
-            the node groups are made from it.
+        process_group: the group to average over (``None``: the default group). It must hold every rank
+            of the default group, since every rank creates the node groups; they get its timeout.
 
     ``state_dict()`` holds ``ranks_per_node`` and the inner state's ``state_dict()`` (the inner state must
     have one, or be stateless); a checkpoint is refused at another world size or ``ranks_per_node``.
@@ -182,30 +184,35 @@ class HierarchicalState(HookState):
                 "HierarchicalState: the node groups are created at the hook's first call, which needs the "
                 "default process group: call torch.distributed.init_process_group(...) before training"
             )
-        if self.process_group is not None and self.process_group is not dist.group.WORLD:
+        group = self.process_group
+        group_size, world_size = comm.group_size(group), dist.get_world_size()
+        if group_size != world_size:
             raise ValueError(
-                "HierarchicalState: process_group must be the default group (None): the node groups are made "
-                f"from its ranks, but a group of {dist.get_world_size(self.process_group)} ranks was given"
+                f"HierarchicalState: process_group has {group_size} of the {world_size} ranks, but the node "
+                "groups are created by every rank of the default group (torch.distributed.new_group), so it "
+                "must hold every rank: pass process_group=None, or a group of all ranks"
             )
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        ranks_per_node = _agreed_ranks_per_node(self.ranks_per_node, rank, world_size)
+        rank, ranks = dist.get_rank(group), dist.get_process_group_ranks(group or dist.group.WORLD)
+        ranks_per_node = _agreed_ranks_per_node(self.ranks_per_node, rank, group_size, group)
         if self._loaded_ranks_per_node is not None and self._loaded_ranks_per_node != ranks_per_node:
             raise ValueError(_moved_message(self._loaded_ranks_per_node, ranks_per_node))
-        nodes = world_size // ranks_per_node
+        nodes = group_size // ranks_per_node
         node = rank // ranks_per_node
-        leader = node * ranks_per_node
+        leader = ranks[node * ranks_per_node]
         reduce_group = broadcast_group = None
         if nodes == 1:
-            logger.info("hierarchical_hook: one node of %s ranks: exact averaging, the inner hook is not run", world_size)
+            logger.info("hierarchical_hook: one node of %s ranks: exact averaging, the inner hook is not run", group_size)
         elif ranks_per_node == 1:
-            self._bind_inner(None)
+            self._bind_inner(group)
         else:
-            node_ranks = [list(range(n * ranks_per_node, (n + 1) * ranks_per_node)) for n in range(nodes)]
-            reduce_groups = [dist.new_group(ranks) for ranks in node_ranks]
-            broadcast_groups = [dist.new_group(ranks) for ranks in node_ranks]
-            inter_group = dist.new_group([n * ranks_per_node for n in range(nodes)])
+            seconds = process_group_timeout(group)
+            timeout = datetime.timedelta(seconds=seconds) if seconds is not None else None
+            node_ranks = [ranks[n * ranks_per_node : (n + 1) * ranks_per_node] for n in range(nodes)]
+            reduce_groups = [dist.new_group(members, timeout=timeout) for members in node_ranks]
+            broadcast_groups = [dist.new_group(members, timeout=timeout) for members in node_ranks]
+            inter_group = dist.new_group([members[0] for members in node_ranks], timeout=timeout)
             reduce_group, broadcast_group = reduce_groups[node], broadcast_groups[node]
-            if rank == leader:
+            if ranks[rank] == leader:
                 self._bind_inner(inter_group)
             logger.info(
                 "hierarchical_hook: %s nodes of %s ranks; created %s node groups and the group of the leaders",
@@ -213,7 +220,7 @@ class HierarchicalState(HookState):
                 ranks_per_node,
                 2 * nodes,
             )
-        return _Topology(ranks_per_node, nodes, leader, rank == leader, reduce_group, broadcast_group)
+        return _Topology(ranks_per_node, nodes, leader, ranks[rank] == leader, reduce_group, broadcast_group)
 
     def _bind_inner(self, group: ProcessGroup | None) -> None:
         """Attach the inner state to ``group``, the inter-node group (``None``: the default group)."""
@@ -346,8 +353,8 @@ def _local_ranks_per_node(explicit: int | None, rank: int, world_size: int) -> i
     return ranks_per_node
 
 
-def _agreed_ranks_per_node(explicit: int | None, rank: int, world_size: int) -> int:
-    """The ranks per node, the same on every rank; a collective of the default group.
+def _agreed_ranks_per_node(explicit: int | None, rank: int, world_size: int, group: ProcessGroup | None) -> int:
+    """The ranks per node, the same on every rank; a collective of ``group`` (``rank`` is this rank's there).
 
     Every rank exchanges its value (0 when it could not find a valid one) before raising, so that all ranks
     fail together instead of leaving some waiting in the groups' creation.
@@ -358,9 +365,9 @@ def _agreed_ranks_per_node(explicit: int | None, rank: int, world_size: int) -> 
     except ValueError as exc:
         error, mine = exc, 0
     if world_size > 1:
-        device = comm.collective_device(None)
+        device = comm.collective_device(group)
         everyone = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
-        dist.all_gather(everyone, torch.tensor([mine], dtype=torch.int64, device=device))
+        dist.all_gather(everyone, torch.tensor([mine], dtype=torch.int64, device=device), group=group)
         values = [int(value.item()) for value in everyone]
     else:
         values = [mine]
@@ -413,7 +420,7 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     topology = state.topology()
     buffer = bucket.buffer()
     if topology.nodes == 1:
-        return _node_mean(buffer, None)
+        return _node_mean(buffer, state.process_group)
     if topology.ranks_per_node == 1:
         return state.run_inner(bucket)
     node_mean = _node_mean(buffer, topology.reduce_group)
