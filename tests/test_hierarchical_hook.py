@@ -111,8 +111,9 @@ def _four_ranks() -> dict[str, Any]:
     module.load_state_dict(saved_module)
     resumed = gradcomm.DistributedDataParallel(module)
     buffer.seek(0)
-    fresh = register_comm_hook_by_name(resumed, "hierarchical", **POWERSGD)
-    fresh.load_state_dict(torch.load(buffer, weights_only=True))
+    hook, fresh = make_comm_hook("hierarchical", **POWERSGD)
+    fresh.load_state_dict(torch.load(buffer, weights_only=True))  # leaders' inner counters now differ from the others'
+    resumed.register_comm_hook(fresh, hook)  # the ranks still agree
     out["checkpoint resumed"] = _train(resumed, range(3, STEPS))
 
     # a failing inner hook (on rank 0, a leader): rank 0's step fails at once, the others at the timeout
@@ -175,6 +176,11 @@ def _two_ranks() -> dict[str, Any]:
             if inner == "powersgd":
                 out[f"{ranks_per_node} iter"] = state.inner_state.iter
 
+    ddp = gradcomm.DistributedDataParallel(_model())
+    out["inner options differ"] = error_text(
+        lambda: register_comm_hook_by_name(ddp, "hierarchical", inner="powersgd", matrix_approximation_rank=1 + rank)
+    )
+
     def topology(ranks_per_node: int | None, process_group: Any = None) -> str:
         return error_text(lambda: HierarchicalState(powerSGD_hook, PowerSGDState(None), ranks_per_node, process_group).topology())
 
@@ -226,6 +232,9 @@ def test_one_node_one_rank_per_node_and_topology_errors() -> None:
             "was not given and LOCAL_WORLD_SIZE is not set. Pass ranks_per_node=..., or launch with torchrun, "
             "which sets LOCAL_WORLD_SIZE"
         )
+        assert result["inner options differ"].startswith("RanksDisagreeError: ")
+        assert "matrix_approximation_rank=1" in result["inner options differ"]
+        assert "matrix_approximation_rank=2" in result["inner options differ"]
     assert by_rank[0]["other group"] == (
         "ValueError: HierarchicalState: process_group has 1 of the 2 ranks, but the node groups are created by every "
         "rank of the default group (torch.distributed.new_group), so it must hold every rank: pass "

@@ -161,8 +161,15 @@ class HierarchicalState(HookState):
         self.inner = f"{getattr(unwrapped, '__module__', '?')}.{name}"  # a plain value: ranks must agree on it
         self.inner_state = None if isinstance(inner_state, ProcessGroup) else inner_state
         self.ranks_per_node = ranks_per_node
+        self._inner_options = _options_of(self.inner_state)
         self._loaded_ranks_per_node: int | None = None
         self._reset_runtime()
+
+    def comm_hook_fingerprint(self) -> str:
+        """What the ranks must agree on (gradcomm's DDP compares it at registration): the inner hook, the
+        topology and the inner state's options as built. Not the inner state's counters, which advance on the
+        leaders only (a state loaded from a checkpoint differs between leaders and the other ranks)."""
+        return f"HierarchicalState(inner={self.inner}, ranks_per_node={self.ranks_per_node}, inner state {self._inner_options})"
 
     def _reset_runtime(self) -> None:
         self._topology: _Topology | None = None
@@ -299,6 +306,18 @@ class HierarchicalState(HookState):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._reset_runtime()
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _options_of(inner_state: Any) -> str:
+    """The inner state's public plain attributes, as built: its options (and its counters, still at zero)."""
+    if inner_state is None:
+        return "None (a stateless hook)"
+    attributes = getattr(inner_state, "__dict__", {})
+    plain = [f"{k}={v!r}" for k, v in sorted(attributes.items()) if not k.startswith("_") and isinstance(v, _PLAIN)]
+    return f"{type(inner_state).__qualname__}({', '.join(plain)})"
 
 
 def _check_ranks_per_node(value: Any, source: str) -> int:
