@@ -116,6 +116,10 @@ def _four_ranks() -> dict[str, Any]:
     resumed.register_comm_hook(fresh, hook)  # the ranks still agree
     out["checkpoint resumed"] = _train(resumed, range(3, STEPS))
 
+    sparse = gradcomm.DistributedDataParallel(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1)))
+    sparse.register_comm_hook(HierarchicalState(default_hooks.allreduce_hook, ranks_per_node=2), hierarchical_hook)
+    out["sparse"] = error_text(lambda: sparse(torch.tensor([1, 2])).sum().backward())
+
     # a failing inner hook (on rank 0, a leader): rank 0's step fails at once, the others at the timeout
     ddp = gradcomm.DistributedDataParallel(_model())
     ddp.register_comm_hook(HierarchicalState(_raising_hook, ranks_per_node=2), hierarchical_hook)
@@ -152,6 +156,9 @@ def test_two_nodes_of_two_ranks() -> None:
     assert all(r["bytes sent"] > 0 for r in by_rank)
     for rank, result in enumerate(by_rank):
         np.testing.assert_array_equal(result["checkpoint resumed"], result["checkpoint continued"], err_msg=f"rank {rank}")
+    for result in by_rank:
+        assert "hierarchical_hook raised on bucket 1" in result["sparse"], result["sparse"]
+        assert "hierarchical_hook: bucket 1 is sparse (nn.Embedding(sparse=True)); a sparse gradient cannot be broadcast" in result["sparse"]
     failures = [r["failure"] for r in by_rank]
     assert failures[0].startswith("CommHookError: Communication hook hierarchical_hook: the future it returned for bucket 0")
     assert "hierarchical_hook: inner hook _raising_hook raised on bucket 0 on node leader rank 0: ValueError: the inner " in failures[0]

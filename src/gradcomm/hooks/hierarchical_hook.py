@@ -442,6 +442,11 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
         return _node_mean(buffer, state.process_group)
     if topology.ranks_per_node == 1:
         return state.run_inner(bucket)
+    if buffer.is_sparse:
+        raise ValueError(
+            f"hierarchical_hook: bucket {bucket.index()} is sparse (nn.Embedding(sparse=True)); a sparse gradient "
+            "cannot be broadcast within a node. Use dense gradients, or register no hook"
+        )
     node_mean = _node_mean(buffer, topology.reduce_group)
     leader, group, device = topology.leader, topology.broadcast_group, buffer.device
     if not topology.is_leader:
