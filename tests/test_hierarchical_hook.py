@@ -188,6 +188,8 @@ def _two_ranks() -> dict[str, Any]:
         lambda: register_comm_hook_by_name(ddp, "hierarchical", inner="powersgd", matrix_approximation_rank=1 + rank)
     )
 
+    out["inner state bound"] = error_text(lambda: HierarchicalState(powerSGD_hook, PowerSGDState(dist.new_group([0, 1]))))
+
     def topology(ranks_per_node: int | None, process_group: Any = None) -> str:
         return error_text(lambda: HierarchicalState(powerSGD_hook, PowerSGDState(None), ranks_per_node, process_group).topology())
 
@@ -238,6 +240,11 @@ def test_one_node_one_rank_per_node_and_topology_errors() -> None:
             f"ValueError: HierarchicalState: the number of ranks per node is unknown on rank {rank}: ranks_per_node "
             "was not given and LOCAL_WORLD_SIZE is not set. Pass ranks_per_node=..., or launch with torchrun, "
             "which sets LOCAL_WORLD_SIZE"
+        )
+        assert result["inner state bound"] == (
+            "ValueError: HierarchicalState: the state of inner hook powerSGD_hook is bound to a process group of 2 "
+            "ranks, but it runs on the group of the node leaders, which is created at the first call: build the "
+            "inner state with process_group=None"
         )
         assert result["inner options differ"].startswith("RanksDisagreeError: ")
         assert "matrix_approximation_rank=1" in result["inner options differ"]

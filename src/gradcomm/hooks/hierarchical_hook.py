@@ -154,6 +154,13 @@ class HierarchicalState(HookState):
                 f"stateless hook's state) or a state with a process_group attribute, got "
                 f"{type(inner_state).__name__}: the state is attached to the inter-node group through it"
             )
+        bound = inner_state if _is_stateless(inner_state) else inner_state.process_group
+        if bound is not None and bound is not dist.group.WORLD:
+            raise ValueError(
+                f"HierarchicalState: the state of inner hook {name} is bound to a process group of "
+                f"{comm.group_size(bound)} ranks, but it runs on the group of the node leaders, which is created "
+                "at the first call: build the inner state with process_group=None"
+            )
         if ranks_per_node is not None:
             _check_ranks_per_node(ranks_per_node, "ranks_per_node")
         self.process_group = process_group
