@@ -120,6 +120,10 @@ def _four_ranks() -> dict[str, Any]:
     sparse.register_comm_hook(HierarchicalState(default_hooks.allreduce_hook, ranks_per_node=2), hierarchical_hook)
     out["sparse"] = error_text(lambda: sparse(torch.tensor([1, 2])).sum().backward())
 
+    partial = dist.new_group([0, 1, 2])
+    if dist.get_rank() < 3:
+        out["partial group"] = error_text(lambda: HierarchicalState(powerSGD_hook, PowerSGDState(None), 2, partial).topology())
+
     # a failing inner hook (on rank 0, a leader): rank 0's step fails at once, the others at the timeout
     ddp = gradcomm.DistributedDataParallel(_model())
     ddp.register_comm_hook(HierarchicalState(_raising_hook, ranks_per_node=2), hierarchical_hook)
@@ -159,6 +163,12 @@ def test_two_nodes_of_two_ranks() -> None:
     for result in by_rank:
         assert "hierarchical_hook raised on bucket 1" in result["sparse"], result["sparse"]
         assert "hierarchical_hook: bucket 1 is sparse (nn.Embedding(sparse=True)); a sparse gradient cannot be broadcast" in result["sparse"]
+    for result in by_rank[:3]:
+        assert result["partial group"] == (
+            "ValueError: HierarchicalState: process_group has 3 of the 4 ranks, but the node groups are created by "
+            "every rank of the default group (torch.distributed.new_group), so it must hold every rank: pass "
+            "process_group=None, or a group of all ranks"
+        )
     failures = [r["failure"] for r in by_rank]
     assert failures[0].startswith("CommHookError: Communication hook hierarchical_hook: the future it returned for bucket 0")
     assert "hierarchical_hook: inner hook _raising_hook raised on bucket 0 on node leader rank 0: ValueError: the inner " in failures[0]
@@ -183,6 +193,14 @@ def _two_ranks() -> dict[str, Any]:
             if inner == "powersgd":
                 out[f"{ranks_per_node} iter"] = state.inner_state.iter
 
+    # a group of this rank alone (gradcomm bench times each hook so): the inner hook alone, whatever ranks_per_node
+    solo = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
+    ddp = gradcomm.DistributedDataParallel(_model(), process_group=solo)
+    state = register_comm_hook_by_name(ddp, "hierarchical", process_group=solo, **POWERSGD)
+    _train(ddp, range(STEPS))
+    out["solo iter"] = state.inner_state.iter
+    out["solo saved ranks_per_node"] = state.state_dict()["ranks_per_node"]
+
     ddp = gradcomm.DistributedDataParallel(_model())
     out["inner options differ"] = error_text(
         lambda: register_comm_hook_by_name(ddp, "hierarchical", inner="powersgd", matrix_approximation_rank=1 + rank)
@@ -195,7 +213,6 @@ def _two_ranks() -> dict[str, Any]:
 
     out["not a multiple"] = topology(3)
     out["disagree"] = topology([1, 2][rank])
-    out["other group"] = topology(2, dist.new_group([0]))
     local_world_size = os.environ.pop("LOCAL_WORLD_SIZE")
     out["unknown"] = topology(None)
     os.environ["LOCAL_WORLD_SIZE"] = "1"  # as if each rank were alone on its node, but LOCAL_RANK is still the rank
@@ -241,6 +258,7 @@ def test_one_node_one_rank_per_node_and_topology_errors() -> None:
             "was not given and LOCAL_WORLD_SIZE is not set. Pass ranks_per_node=..., or launch with torchrun, "
             "which sets LOCAL_WORLD_SIZE"
         )
+        assert result["solo iter"] == STEPS and result["solo saved ranks_per_node"] == 2
         assert result["inner state bound"] == (
             "ValueError: HierarchicalState: the state of inner hook powerSGD_hook is bound to a process group of 2 "
             "ranks, but it runs on the group of the node leaders, which is created at the first call: build the "
@@ -249,11 +267,6 @@ def test_one_node_one_rank_per_node_and_topology_errors() -> None:
         assert result["inner options differ"].startswith("RanksDisagreeError: ")
         assert "matrix_approximation_rank=1" in result["inner options differ"]
         assert "matrix_approximation_rank=2" in result["inner options differ"]
-    assert by_rank[0]["other group"] == (
-        "ValueError: HierarchicalState: process_group has 1 of the 2 ranks, but the node groups are created by every "
-        "rank of the default group (torch.distributed.new_group), so it must hold every rank: pass "
-        "process_group=None, or a group of all ranks"
-    )
     assert by_rank[0]["local rank"] == (
         "ValueError: HierarchicalState: rank(s) 1 could not determine the number of ranks per node (their own "
         "errors say why); every rank needs the same ranks_per_node"

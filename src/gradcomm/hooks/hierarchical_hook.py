@@ -45,8 +45,9 @@ other than a future of the bucket's size) stops its launcher: that rank's step f
 waiting for a collective that never comes, fail at the process group's timeout, as with any hook.
 
 Degenerate topologies create no group: with one node the result is the exact average (one all-reduce over
-the default group; the inner hook is not run, since there is no inter-node link to save), and with one rank
-per node the inner hook runs directly on the default group, as if registered alone.
+the process group; the inner hook is not run, since there is no inter-node link to save), and with one rank
+per node the inner hook runs directly on the process group, as if registered alone; so does a process group
+of a single rank, whatever ``ranks_per_node`` (``gradcomm bench`` times each hook's local work on one).
 
 Example::
 
@@ -97,6 +98,11 @@ class _Topology:
     is_leader: bool
     reduce_group: ProcessGroup | None
     broadcast_group: ProcessGroup | None
+
+    @property
+    def solo(self) -> bool:
+        """A process group of one rank: no node topology at all."""
+        return self.nodes * self.ranks_per_node == 1
 
 
 def _unwrapped(hook: Any) -> Any:
@@ -200,6 +206,9 @@ class HierarchicalState(HookState):
             )
         group = self.process_group
         group_size, world_size = comm.group_size(group), dist.get_world_size()
+        if group_size == 1:  # no link to save and no node to average: whatever ranks_per_node says
+            self._bind_inner(group)
+            return _Topology(1, 1, dist.get_rank(), True, None, None)
         if group_size != world_size:
             raise ValueError(
                 f"HierarchicalState: process_group has {group_size} of the {world_size} ranks, but the node "
@@ -263,7 +272,8 @@ class HierarchicalState(HookState):
 
     # -- checkpointing: the inner state's own dict; groups and launchers are rebuilt ----------------------
     def _plain_state(self) -> dict[str, Any]:
-        resolved = self._topology.ranks_per_node if self._topology is not None else self.ranks_per_node
+        topology = self._topology
+        resolved = self.ranks_per_node if topology is None or topology.solo else topology.ranks_per_node
         return {"ranks_per_node": resolved, "inner": self._inner_state_dict()}
 
     def _inner_state_dict(self) -> dict[str, Any] | None:
@@ -282,8 +292,9 @@ class HierarchicalState(HookState):
 
     def _restore_plain_state(self, state: dict[str, Any]) -> None:
         saved = state.get("ranks_per_node")
-        if saved is not None and self._topology is not None and saved != self._topology.ranks_per_node:
-            raise ValueError(_moved_message(saved, self._topology.ranks_per_node))
+        topology = self._topology
+        if saved is not None and topology is not None and not topology.solo and saved != topology.ranks_per_node:
+            raise ValueError(_moved_message(saved, topology.ranks_per_node))
         inner = state.get("inner")
         if (inner is None) != (self.inner_state is None):
             saved_kind = "no inner state (a stateless inner hook)" if inner is None else "an inner state"
@@ -306,7 +317,7 @@ class HierarchicalState(HookState):
         state = super().__getstate__()
         for runtime in ("_topology", "_inner_bound", "_inner_launcher", "_broadcast_launcher"):
             state.pop(runtime, None)
-        if self._topology is not None:
+        if self._topology is not None and not self._topology.solo:
             state["_loaded_ranks_per_node"] = self._topology.ranks_per_node
         return state
 
@@ -445,10 +456,10 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     """
     topology = state.topology()
     buffer = bucket.buffer()
-    if topology.nodes == 1:
-        return _node_mean(buffer, state.process_group)
     if topology.ranks_per_node == 1:
         return state.run_inner(bucket)
+    if topology.nodes == 1:
+        return _node_mean(buffer, state.process_group)
     if buffer.is_sparse:
         raise ValueError(
             f"hierarchical_hook: bucket {bucket.index()} is sparse (nn.Embedding(sparse=True)); a sparse gradient "
