@@ -99,6 +99,10 @@ def _four_ranks() -> dict[str, Any]:
         if kind == "gradcomm":
             out["bytes sent"] = ddp.comm_stats().total.bytes_sent
 
+    flat = make_ddp("torch", _model())
+    flat.register_comm_hook(PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2), powerSGD_hook)
+    out["flat powersgd"] = _train(flat, range(STEPS))
+
     # checkpoint: save after 3 steps, go on 2; a fresh DDP and state loaded from the save do the same 2
     ddp = gradcomm.DistributedDataParallel(_model())
     state = register_comm_hook_by_name(ddp, "hierarchical", **POWERSGD)
@@ -157,6 +161,10 @@ def test_two_nodes_of_two_ranks() -> None:
         final_grads = [r[f"{kind} powersgd grads"][-1] for r in by_rank]
         assert all(np.array_equal(final_grads[0], g) for g in final_grads)
         assert not np.allclose(final_grads[0], by_rank[0][f"{kind} reference grads"][-1], rtol=1e-3)
+    # PowerSGD is linear in the summed matrix (P = sum M_i Q, Q = sum M_i^T P) and its error feedback sums
+    # alike, so compressing node averages among the leaders gives flat PowerSGD's result, to rounding
+    for result in by_rank:
+        np.testing.assert_allclose(result["torch powersgd"], result["flat powersgd"], rtol=1e-4, atol=1e-6)
     assert all(r["bytes sent"] > 0 for r in by_rank)
     for rank, result in enumerate(by_rank):
         np.testing.assert_array_equal(result["checkpoint resumed"], result["checkpoint continued"], err_msg=f"rank {rank}")

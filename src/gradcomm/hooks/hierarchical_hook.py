@@ -23,8 +23,12 @@ Trade-offs:
 * The non-leader ranks idle while their leader runs the inner hook (its compression and its inter-node
   collectives): the inner hook's compute is not spread over the node. Buckets still overlap: a bucket's
   intra-node reduce proceeds while earlier buckets are on the inter-node link.
-* The intra-node average comes first, so the inner hook compresses one node-averaged gradient per node
-  (less variance than a single rank's) and keeps one error-feedback state per node, on the leader.
+* The intra-node average comes first, so the inner hook compresses one node-averaged gradient per node and
+  keeps one error-feedback state per node, on the leader. For a compressor that is not linear (top-k,
+  signSGD, quantization) that changes the result: the error is that of compressing node averages. PowerSGD
+  is linear in the summed matrix (``P = sum M_i Q``, ``Q = sum M_i^T P``, its error feedback sums alike), so
+  hierarchical PowerSGD computes what flat PowerSGD over all ranks computes, to rounding: the gain is its
+  bytes and latency on the slow link, which are among ``nodes`` ranks instead of ``world_size``.
 * The inner hook's state (PowerSGD's error feedback, its iteration count) advances on the leaders only; the
   other ranks' inner states stay as built. Each rank checkpoints its own (one file per rank, as always).
 
