@@ -1,8 +1,8 @@
 """Hierarchical averaging: exact inside a node, any hook among the nodes, then a broadcast inside the node.
 
 On a cluster the links inside a machine (shared memory, NVLink) are much faster than those between machines.
-:func:`hierarchical_hook` averages each bucket in three stages so that a lossy hook such as PowerSGD pays its
-error, and saves its bytes, only where it matters, on the slow inter-node link:
+:func:`hierarchical_hook` averages each bucket in three stages so that a compressing hook such as PowerSGD
+works only where it pays, on the slow inter-node link, and the fast links carry exact averages:
 
 1. **intra-node reduce**: every rank divides its bucket by the number of ranks per node and all-reduces it
    within its node (exact: the node average, in the bucket's own buffer);
