@@ -15,6 +15,7 @@ Names are lower case (``powersgd``, ``quantize_per_tensor``, ``post_localsgd``);
 
     state = register_comm_hook_by_name(ddp_model, "powersgd", matrix_approximation_rank=4)
     state = register_comm_hook_by_name(ddp_model, "powersgd", wrapper="fp16", start_powerSGD_iter="10")
+    state = register_comm_hook_by_name(ddp_model, "hierarchical", inner="powersgd", matrix_approximation_rank=4)
 
 Option values given as strings (from a command line) are converted to the option's type. The returned
 state is what was registered: the process group (``None`` for the default) for stateless hooks, the
@@ -112,6 +113,8 @@ class HookSpec:
         check: builds the state without a process group, for :func:`check_options` to have its constructor
             check the option values; ``None``: ``state`` called with ``process_group=None`` (nothing for
             stateless hooks). Set it where that would communicate.
+        passes_options: options not in ``options`` are accepted too and handed to ``state`` as given, which
+            checks them (the ``hierarchical`` entry passes them on to its inner hook's entry).
     """
 
     name: str
@@ -122,6 +125,7 @@ class HookSpec:
     presets: tuple[tuple[str, Any], ...] = ()
     summary: str = ""
     check: StateCheck | None = field(default=None, repr=False, compare=False)
+    passes_options: bool = False
     option_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -157,6 +161,26 @@ def _post_localsgd_offline(module: ModuleType, options: dict[str, Any]) -> Any:
     if offline.get("subgroup") is None and offline.get("post_local_gradient_allreduce", True) is True:
         offline["post_local_gradient_allreduce"] = False
     return module.PostLocalSGDState(process_group=None, **offline)
+
+
+_HIERARCHICAL_OPTIONS = (
+    Option("inner", str, default="allreduce"),
+    Option("ranks_per_node", int),
+    Option("inner_wrapper", str),
+)
+
+
+def _hierarchical_state(module: ModuleType, process_group: ProcessGroup | None, options: dict[str, Any]) -> Any:
+    """HierarchicalState around the hook named ``inner``, built by its own entry from the other options
+    (``inner_wrapper`` is its ``wrapper``) without a process group: the state attaches it to the
+    inter-node group at its first call, when that group exists."""
+    rest = dict(options)
+    inner, ranks_per_node, inner_wrapper = rest.pop("inner"), rest.pop("ranks_per_node", None), rest.pop("inner_wrapper", None)
+    if resolve_hook_name(inner).value.passes_options:
+        raise ValueError(f"inner={inner!r}: the inner hook cannot be hierarchical itself; name the hook run among the node leaders")
+    inner_hook, inner_state = make_comm_hook(inner, wrapper=inner_wrapper, **rest)
+    return module.HierarchicalState(inner_hook, inner_state, ranks_per_node=ranks_per_node, process_group=process_group)
+
 
 _COMPRESSION_OPTIONS = (
     Option("error_feedback", bool),
@@ -243,6 +267,15 @@ _TORCH_HOOKS = (
         options=_POST_LOCALSGD_OPTIONS,
         check=_post_localsgd_offline,
         summary="global all-reduce, then local SGD (pair with PeriodicModelAverager)",
+    ),
+    HookSpec(
+        "hierarchical",
+        "hierarchical_hook",
+        "hierarchical_hook",
+        state=_hierarchical_state,
+        options=_HIERARCHICAL_OPTIONS,
+        passes_options=True,
+        summary="exact average within each node, the inner hook (inner=NAME, its options) among nodes",
     ),
 )
 
@@ -353,7 +386,7 @@ def _convert(spec: HookSpec, option: Option, value: Any) -> Any:
 def _check_options(spec: HookSpec, options: Mapping[str, Any]) -> dict[str, Any]:
     valid = spec.option_names
     unknown = [name for name in options if name not in valid]
-    if unknown:
+    if unknown and not spec.passes_options:
         listed = ", ".join(repr(name) for name in unknown)
         accepted = f"valid options: {', '.join(valid)}" if valid else "it takes no options"
         raise ValueError(f"communication hook {spec.name!r} got unknown option(s) {listed}; {accepted}")
@@ -365,7 +398,10 @@ def _check_options(spec: HookSpec, options: Mapping[str, Any]) -> dict[str, Any]
             "choose the hook without the preset to set it"
         )
     by_name = {option.name: option for option in spec.options}
-    converted = {**presets, **{name: _convert(spec, by_name[name], value) for name, value in options.items()}}
+    converted = {
+        **presets,
+        **{name: _convert(spec, by_name[name], value) if name in by_name else value for name, value in options.items()},
+    }
     for option in spec.options:
         if option.default is not _UNSET and option.name not in converted:
             converted[option.name] = option.default
