@@ -97,12 +97,12 @@ def _check_switching(results: list[dict[str, Any]]) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind", ["gradcomm", "torch"])
 def test_decisions_agree_replicas_identical_and_link_changes_switch(kind: str) -> None:
-    _check_switching(run_on_ranks(_switching, kind, world_size=2, timeout=200))
+    _check_switching(run_on_ranks(_switching, 2, (kind,), timeout=200))
 
 
 @pytest.mark.timeout(240)
 def test_three_ranks() -> None:
-    _check_switching(run_on_ranks(_switching, "gradcomm", world_size=3, timeout=200))
+    _check_switching(run_on_ranks(_switching, 3, ("gradcomm",), timeout=200))
 
 
 # -- resume ---------------------------------------------------------------------------------------------------
@@ -153,7 +153,7 @@ def _resume(directory: str) -> dict[str, Any]:
 
 @pytest.mark.timeout(240)
 def test_resume_continues_the_choice_without_a_new_trial(tmp_path: Any) -> None:
-    for result in run_on_ranks(_resume, os.fspath(tmp_path / "ckpt"), world_size=2, timeout=200):
+    for result in run_on_ranks(_resume, 2, (os.fspath(tmp_path / "ckpt"),), timeout=200):
         assert result["chosen"].startswith("powersgd")
         assert result["loaded"] == (False, result["chosen"], STOP)
         assert result["probes_after_resume"] == 0 and result["same_decisions"]
