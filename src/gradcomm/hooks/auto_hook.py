@@ -56,7 +56,7 @@ and ``auto`` itself are refused.
 
 Trade-offs: the trial steps run the slower candidates for real (mostly one step each on a slow link), the
 error pass costs a sampled allreduce per trial step, and each link measurement about 2.2 MB of allreduces
-(about 0.2 s at 100 Mbit/s). Compute and bytes are kept from the trial; a model whose cost changes later is
+(about 0.15 s at 100 Mbit/s). Compute and bytes are kept from the trial; a model whose cost changes later is
 not re-tried. Bytes are read from this process's :data:`gradcomm.comm.traffic` during the trial steps, so a
 second DDP training at the same moment in the same process would be mixed in. The link is measured with
 allreduces only; hooks built on all-gather are predicted with the same latency and bandwidth.
@@ -87,9 +87,9 @@ __all__ = ["DEFAULT_CANDIDATES", "AutoHookState", "CandidateFigures", "Link", "a
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CANDIDATES = "fp16_compress+powersgd:matrix_approximation_rank=4,start_powerSGD_iter=2+allreduce"
-"""fp16 first (the run's first steps are the most sensitive to compression), allreduce last (the costliest
-trial step on a slow link). PowerSGD compresses from the run's third step (``start_powerSGD_iter=2``)."""
+DEFAULT_CANDIDATES = "fp16_compress+allreduce+powersgd:matrix_approximation_rank=4,start_powerSGD_iter=2"
+"""Exact or nearly exact averaging in the run's first steps, which are the most sensitive to compression;
+PowerSGD compresses from the run's third step (``start_powerSGD_iter=2``), its first trial step."""
 
 _PROBE_BYTES = (4 << 10, 64 << 10, 1 << 20)
 _PROBE_REPEATS = 2
@@ -184,7 +184,9 @@ class AutoHookState(HookState):
         process_group: the group to average over (``None``: the default group).
         candidates: the hooks to choose from, as registry hook choices: a string joining them with ``+``
             (``"allreduce+powersgd:matrix_approximation_rank=4,start_powerSGD_iter=2"``; option values
-            therefore cannot contain ``+``: write ``1e3``, not ``1e+3``) or a list of such choices.
+            therefore cannot contain ``+``: write ``1e3``, not ``1e+3``) or a list of such choices. A
+            candidate's warm-up (``start_powerSGD_iter``, counted in the run's steps) should end before its
+            first trial step (at step ``position in the list``), or the trial measures the warm-up.
         error_bound: largest accepted relative error of a candidate's accumulated update over its trial
             steps (module docstring); 0.5 admits PowerSGD rank 4 and fp16, and excludes methods whose
             accumulated update strays by more than half the exact one.
@@ -274,7 +276,7 @@ class AutoHookState(HookState):
         best = []
         for size in _PROBE_BYTES:
             tensor = torch.zeros(size // 4, dtype=torch.float32, device=device)
-            dist.all_reduce(tensor, group=self.process_group)  # lines the ranks up; not timed
+            dist.all_reduce(tensor[:1], group=self.process_group)  # lines the ranks up; not timed
             fastest = math.inf
             for _ in range(_PROBE_REPEATS):
                 _synchronize(device)
@@ -447,9 +449,9 @@ class AutoHookState(HookState):
         figures.calls = comm.traffic.total_calls - calls_before
         figures.wire_bytes = comm.wire_bytes(sent, comm.group_size(self.process_group))
         if pending:
-            inputs = torch.cat([s.reshape(-1).double() for _, _, samples, _, _ in pending for s in samples])
+            inputs = torch.cat([s.reshape(-1).float() for _, _, samples, _, _ in pending for s in samples])
             dist.all_reduce(inputs, group=self.process_group)  # not through gradcomm.comm: not hook traffic
-            inputs /= comm.group_size(self.process_group)
+            inputs = inputs.double() / comm.group_size(self.process_group)
             sums = self._errors[self.active]
             offset = 0
             for (keys, numels, samples, strides, _), result in zip(pending, results, strict=True):
