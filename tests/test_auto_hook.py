@@ -9,6 +9,7 @@ calls and loses on error).
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Any
 
 import pytest
@@ -219,6 +220,8 @@ def test_registry_round_trip_and_weights_only_state_dict(tmp_path: Any) -> None:
     again = AutoHookState(candidates="allreduce+fp16_compress")
     again.load_state_dict(loaded)
     assert again.trialing and again.step == 0
+    pickled = pickle.loads(pickle.dumps(state))
+    assert pickled.candidates == state.candidates and pickled.error_bound == 0.3 and pickled.trialing
     other = AutoHookState(candidates="allreduce")
     with pytest.raises(ValueError, match="written with candidates 'allreduce\\+fp16_compress'.*same 'candidates'"):
         other.load_state_dict(loaded)

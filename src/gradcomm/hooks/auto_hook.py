@@ -21,7 +21,8 @@ step boundary, before the step's first bucket is handed on, and identically on e
      This is everything the candidate costs (encoding, launching, decoding in callbacks, and contention with
      backward), which timing the hook call and callbacks alone would miss; its *compute* is the step time
      less the network time the link model predicts for it, so the model reproduces the measured time on the
-     trial's link and extrapolates to another;
+     trial's link and extrapolates to another (where the network explains the whole step time, as for
+     allreduce on a slow link, the least compute measured among the candidates is used);
    * *bytes on the wire* and *collective calls*: what it handed to :mod:`gradcomm.comm` during the step
      (wire bytes by :func:`gradcomm.comm.wire_bytes`); hooks that bypass ``gradcomm.comm`` count 0;
    * its *error*: the relative error of its accumulated update, ``‖Σ(result − exact)‖ / ‖Σ exact‖`` over
@@ -37,8 +38,9 @@ step boundary, before the step's first bucket is handed on, and identically on e
 3. *Choice.* The figures are all-reduced (maximum over the ranks). Among candidates with ``error <=
    error_bound``, the lowest predicted step time ``compute + calls x latency + wire bytes / bandwidth`` wins;
    candidates within ``tie_tolerance`` of it count as tied, and the most accurate of the tied wins (a
-   compressed hook must be clearly faster to be worth its slower convergence). If no candidate is within
-   the bound, the most accurate one is used (logged as a warning). Every decision is logged through
+   compressed hook must be clearly faster to be worth its slower convergence); at a re-measurement the
+   current choice is kept while it is among the tied (a switch drops state, see below). If no candidate is
+   within the bound, the most accurate one is used (logged as a warning). Every decision is logged through
    :mod:`logging` with the link and each candidate's figures, and shows in the DDP's ``comm_stats()``
    (``hook_details``).
 4. *Re-measuring.* Every ``remeasure_every`` steps the link is measured again and the choice recomputed from
@@ -341,9 +343,15 @@ class AutoHookState(HookState):
             times = figures.step_seconds[1:] or figures.step_seconds
             local += [min(times) if times else 0.0, figures.calls, figures.wire_bytes, self._error_of(index)]
         agreed = self._agree(local)
+        unexplained = []
         for k, figures in enumerate(self._figures):
             seconds, figures.calls, figures.wire_bytes, figures.error = agreed[4 * k : 4 * k + 4]
-            figures.compute = max(seconds - link.seconds(figures.calls, figures.wire_bytes), 0.0)
+            unexplained.append(seconds - link.seconds(figures.calls, figures.wire_bytes))
+        # where the network explains a whole step (a slow link, overlapping backward), compute cannot be read
+        # off: forward, backward and optimizer are the same for every candidate, so the least measured is used
+        floor = min((u for u in unexplained if u > 0), default=0.0)
+        for figures, compute in zip(self._figures, unexplained, strict=True):
+            figures.compute = max(compute, floor)
         if self._passes == 1 and count > 1:
             fastest = min(agreed[4 * k] for k in range(count))
             for figures in self._figures:
@@ -373,7 +381,10 @@ class AutoHookState(HookState):
         if eligible:
             fastest = min(predicted[k] for k in eligible)
             tied = [k for k in eligible if predicted[k] <= fastest * (1 + self.tie_tolerance)]
-            choice = min(tied, key=lambda k: (figures[k].error, predicted[k], k))
+            if not ending_trial and self.active in tied:
+                choice = self.active  # a switch drops state: not for a gain within the tolerance
+            else:
+                choice = min(tied, key=lambda k: (figures[k].error, predicted[k], k))
         else:
             choice = min(range(len(figures)), key=lambda k: (figures[k].error or 0.0, predicted[k], k))
             logger.warning(
