@@ -32,6 +32,7 @@ from tests.ddp_kinds import make_ddp
 CANDIDATES = "allreduce+fp16_compress+powersgd:matrix_approximation_rank=2,start_powerSGD_iter=2"
 SLOW = Link(latency=1e-4, bandwidth=1e3)  # bytes dominate: PowerSGD
 LATENT = Link(latency=1.0, bandwidth=1e12)  # calls dominate: allreduce (fp16 ties on calls, loses on error)
+FAST = Link(latency=0.0, bandwidth=1e12)  # nothing is cut from the trial, whatever the machine's load
 
 
 def _model() -> nn.Module:
@@ -52,13 +53,17 @@ def _flat(model: nn.Module) -> torch.Tensor:
 
 
 def _switching(kind: str) -> dict[str, Any]:
-    """Real link for the trial, then a slow link, then a high-latency one; parameters after each phase."""
+    """A fast link for the trial, then a slow link, then a high-latency one; parameters after each phase.
+
+    (The real measurement runs in tests/test_registry.py's training case for ``auto``, on 2 and 3 ranks.)
+    """
     torch.set_num_threads(1)
     model = _model()
     ddp = make_ddp(kind, model)
     state = register_comm_hook_by_name(
         ddp, "auto", candidates=CANDIDATES, trial_steps=2, remeasure_every=4, error_bound=10.0
     )
+    state.measure_link = lambda: FAST
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     choices, params = [], []
     for step in range(15):
