@@ -220,6 +220,8 @@ def test_registry_round_trip_and_weights_only_state_dict(tmp_path: Any) -> None:
     hook, state = make_comm_hook("auto", candidates=["allreduce", "fp16_compress"], error_bound="0.3")
     assert hook is auto_hook and isinstance(state, AutoHookState)
     assert state.candidates == "allreduce+fp16_compress" and state.error_bound == 0.3
+    semicolons = AutoHookState(candidates="allreduce+powersgd:matrix_approximation_rank=4;start_powerSGD_iter=2")
+    assert semicolons.candidates == "allreduce+powersgd:matrix_approximation_rank=4,start_powerSGD_iter=2"
     torch.save(state.state_dict(), tmp_path / "state.pt")
     loaded = torch.load(tmp_path / "state.pt", weights_only=True)
     again = AutoHookState(candidates="allreduce+fp16_compress")

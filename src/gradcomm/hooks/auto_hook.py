@@ -162,6 +162,7 @@ def _parse_candidates(candidates: str | Sequence[str]) -> list[_Candidate]:
     for text in texts:
         if not isinstance(text, str) or not text:
             raise _refusal(f"each candidate must be a non-empty hook choice 'name[:key=value,...]', got {text!r}")
+        text = text.replace(";", ",")
         try:
             name, options = registry.parse_hook_choice(text)
             canonical = registry.resolve_hook_name(name).value.name
@@ -186,7 +187,9 @@ class AutoHookState(HookState):
         process_group: the group to average over (``None``: the default group).
         candidates: the hooks to choose from, as registry hook choices: a string joining them with ``+``
             (``"allreduce+powersgd:matrix_approximation_rank=4,start_powerSGD_iter=2"``; option values
-            therefore cannot contain ``+``: write ``1e3``, not ``1e+3``) or a list of such choices. A
+            therefore cannot contain ``+``: write ``1e3``, not ``1e+3``) or a list of such choices. On a
+            command line, where ``,`` separates auto's own options, separate a candidate's options with ``;``
+            (``auto:candidates=allreduce+powersgd:matrix_approximation_rank=4;start_powerSGD_iter=2``). A
             candidate's warm-up (``start_powerSGD_iter``, counted in the run's steps) should end before its
             first trial step (at step ``position in the list``), or the trial measures the warm-up.
         error_bound: largest accepted relative error of a candidate's accumulated update over its trial
