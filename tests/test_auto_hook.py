@@ -118,7 +118,9 @@ STOP, STEPS = 8, 12
 def _build(calls: list[int]) -> tuple[nn.Module, Any, torch.optim.Optimizer, AutoHookState]:
     model = _model()
     ddp = make_ddp("gradcomm", model)
-    state = register_comm_hook_by_name(ddp, "auto", candidates=CANDIDATES, trial_steps=2, remeasure_every=100)
+    state = register_comm_hook_by_name(
+        ddp, "auto", candidates=CANDIDATES, trial_steps=2, remeasure_every=100, error_bound=10.0
+    )
 
     def slow() -> Link:
         calls.append(1)
@@ -149,6 +151,7 @@ def _resume(directory: str) -> dict[str, Any]:
     for step in range(STOP, STEPS):
         _step(ddp, optimizer, step)
     return {
+        "bounded": [_bounded(candidates) for candidates in ("signsgd:min_numel=16+allreduce", "signsgd")],
         "chosen": chosen,
         "loaded": loaded,
         "probes_after_resume": len(calls),
@@ -157,13 +160,30 @@ def _resume(directory: str) -> dict[str, Any]:
     }
 
 
+def _bounded(candidates: str) -> dict[str, Any]:
+    """signSGD (majority vote) sends the fewest bytes but strays far from the mean: over the default bound."""
+    model = _model()
+    ddp = make_ddp("gradcomm", model)
+    state = register_comm_hook_by_name(ddp, "auto", candidates=candidates, trial_steps=1)
+    state.measure_link = lambda: SLOW
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(3):
+        _step(ddp, optimizer, step)
+    return {"choice": state.choice, "eligible": [row["eligible"] for row in state.decisions[-1]["candidates"]]}
+
+
 @pytest.mark.timeout(240)
-def test_resume_continues_the_choice_without_a_new_trial(tmp_path: Any) -> None:
+def test_resume_continues_the_choice_without_a_new_trial_and_the_error_bound_excludes(tmp_path: Any) -> None:
     for result in run_on_ranks(_resume, 2, (os.fspath(tmp_path / "ckpt"),), timeout=200):
         assert result["chosen"].startswith("powersgd")
         assert result["loaded"] == (False, result["chosen"], STOP)
         assert result["probes_after_resume"] == 0 and result["same_decisions"]
         assert result["bitwise"]  # the resumed run continues exactly, PowerSGD's error feedback included
+        # the error bound: signSGD is excluded although cheapest; alone, it is used (the most accurate there is)
+        assert result["bounded"] == [
+            {"choice": "allreduce", "eligible": [False, True]},
+            {"choice": "signsgd", "eligible": [False]},
+        ]
 
 
 # -- one rank -------------------------------------------------------------------------------------------------
