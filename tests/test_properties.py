@@ -116,6 +116,7 @@ WARMUP_OPTION: dict[str, str] = {
 LOSSY: dict[str, str] = {
     "quantize_per_tensor": "8-bit quantization per tensor",
     "quantize_per_channel": "8-bit quantization per row",
+    "auto": "one of its candidates per step (default: fp16, allreduce, PowerSGD rank 4), switching between them",
 }
 
 # Hooks exempt from (a), identical replicas, where they diverge on purpose; what they must do instead.

@@ -67,6 +67,7 @@ TRAIN_CASES = {
     "post_localsgd": ("post_localsgd", {"start_localSGD_iter": "1"}, None),
     # one rank per node, so that the inner hook runs (nodes of several ranks: tests/test_hierarchical_hook.py)
     "hierarchical": ("hierarchical", {"inner": "powersgd", "ranks_per_node": "1", "start_powerSGD_iter": "2"}, None),
+    "auto": ("auto", {"trial_steps": "1", "candidates": "allreduce+fp16_compress"}, None),
     **{name: COMPRESSION_CASES.get(name, (name, {"min_numel": 16}, None)) for name in COMPRESSION_METHODS},
     "powersgd+fp16": ("powersgd", {"start_powerSGD_iter": 2}, "fp16"),
     "allreduce+bf16": ("allreduce", {}, "bf16"),
@@ -158,6 +159,7 @@ def test_every_hook_registers_by_name_and_trains(kind, world_size, case):
         "hierarchical": "HierarchicalState",
     }
     expected_state.update(dict.fromkeys(COMPRESSION_METHODS, "CompressionState"))
+    expected_state["auto"] = "AutoHookState"
     kind_of_state = resolve_hook_name(name).value.name.removeprefix("batched_").removesuffix("_rank2")
     assert by_rank[0]["state_type"] == expected_state.get(kind_of_state, "NoneType")
     if case in ("allreduce", "post_localsgd"):  # exact averaging: like DDP without a hook

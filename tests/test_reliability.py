@@ -320,6 +320,7 @@ HOOK_OPTIONS: dict[str, dict[str, Any]] = {
     "batched_powersgd": {"start_powerSGD_iter": 2},
     "batched_powersgd_rank2": {"start_powerSGD_iter": 2},
     "post_localsgd": {"start_localSGD_iter": 1},
+    "auto": {"candidates": "allreduce+powersgd:matrix_approximation_rank=2,start_powerSGD_iter=2"},  # not fp16: 1e30
 }
 HOOK_ITERATIONS = 4  # PowerSGD compresses from the third
 

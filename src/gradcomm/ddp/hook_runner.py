@@ -70,6 +70,7 @@ class HookRunner:
         self.check_same_setup(setup, hook, state)
         self.hook, self.state, self.name = hook, state, hook_name(hook)
         self.stats.hook_name = self.name
+        self.stats.details_source = getattr(state, "comm_stats_details", None)
 
     def check_same_setup(self, setup: dict[str, str], hook: CommHook | None = None, state: Any = None) -> None:
         """Compare the hook (the registered one unless given), its options and ``setup`` across the ranks, all

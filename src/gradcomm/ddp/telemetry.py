@@ -21,6 +21,9 @@ A DDP keeps one :class:`CommStats` (``ddp.comm_stats()``). Per step, on this ran
   ``exact`` is the true average obtained by a second, uncounted allreduce of the original gradients. It costs a
   gradient-sized copy and a full allreduce per step, so it is off by default.
 
+A hook state may report on itself by a ``comm_stats_details() -> dict`` method (the ``auto`` hook: its
+choice and the figures behind it); ``hook_details`` holds its latest report, refreshed every step.
+
 Steps can be logged through :mod:`logging` (``log_every``) and appended to a JSON-lines file (``jsonl_path``).
 """
 
@@ -30,7 +33,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -102,6 +105,9 @@ class CommStats:
     total: StepStats = field(default_factory=StepStats)
     traffic: comm.Traffic = field(default_factory=comm.Traffic, repr=False)
     """Everything this DDP's hook handed to collectives (the DDP counts its hook calls into it)."""
+    hook_details: dict[str, object] = field(default_factory=dict)
+    """The hook state's own report (``state.comm_stats_details()``, where it has one), as of the last step."""
+    details_source: Callable[[], dict[str, object]] | None = field(default=None, repr=False)
     _current: StepStats | None = field(default=None, repr=False)
     _traffic_at_start: tuple[dict[str, int], dict[tuple[str, int], int], int] = field(
         default=({}, {}, 0), repr=False
@@ -115,7 +121,10 @@ class CommStats:
         self.last, self.total, self._current, self._error_steps = StepStats(), StepStats(), None, 0
 
     def as_dict(self) -> dict[str, object]:
-        return {"hook": self.hook_name, "last": self.last.as_dict(), "total": self.total.as_dict()}
+        summary: dict[str, object] = {"hook": self.hook_name, "last": self.last.as_dict(), "total": self.total.as_dict()}
+        if self.hook_details:
+            summary["hook_details"] = self.hook_details
+        return summary
 
     # -- recording, called by the reducers -------------------------------------------------------------
     def begin_step(self) -> None:
@@ -172,6 +181,8 @@ class CommStats:
             difference, exact = self._error_sums
             step.compression_error = math.sqrt(difference / exact) if exact > 0 else math.sqrt(difference)
         self.last = step
+        if self.details_source is not None:
+            self.hook_details = self.details_source()
         self._accumulate(step)
         self._emit(step)
 

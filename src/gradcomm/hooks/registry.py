@@ -52,6 +52,7 @@ __all__ = [
     "get_hook",
     "hook_names",
     "make_comm_hook",
+    "parse_hook_choice",
     "register_comm_hook_by_name",
     "resolve_hook_name",
     "wrapper_names",
@@ -277,6 +278,20 @@ _TORCH_HOOKS = (
         passes_options=True,
         summary="exact average within each node, the inner hook (inner=NAME, its options) among nodes",
     ),
+    HookSpec(
+        "auto",
+        "auto_hook",
+        "auto_hook",
+        state=constructed("AutoHookState"),
+        options=(
+            Option("candidates"),
+            Option("error_bound", float),
+            Option("trial_steps", int),
+            Option("remeasure_every", int),
+            Option("tie_tolerance", float),
+        ),
+        summary="measure the link and each candidate hook, then use the fastest accurate enough",
+    ),
 )
 
 CommHookType = Enum(  # type: ignore[misc]
@@ -308,6 +323,27 @@ def _key(name: str) -> str:
 
 
 _BY_KEY: dict[str, CommHookType] = {_key(member.value.name): member for member in CommHookType}
+
+
+def parse_hook_choice(text: str) -> tuple[str, dict[str, str]]:
+    """Split ``"name"`` or ``"name:key=value,key=value"`` into the name and its (string) options.
+
+    The name is not resolved here (see :func:`resolve_hook_name`); option values stay strings, converted
+    by :func:`check_options` or :func:`make_comm_hook`.
+
+    Raises:
+        ValueError: an option that is not ``key=value``, or no name.
+    """
+    name, _, rest = text.strip().partition(":")
+    options: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"hook option {item!r} in {text!r} is not key=value")
+        options[key.strip()] = value.strip()
+    if not name.strip():
+        raise ValueError(f"hook choice {text!r} names no hook; write NAME or NAME:key=value,...")
+    return name.strip(), options
 
 
 def hook_names() -> list[str]:
