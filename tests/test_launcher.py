@@ -54,3 +54,49 @@ def test_launcher_keeps_reservation_order_across_threads() -> None:
     with pytest.raises(RuntimeError, match="collective not launched"):
         failing.launch(launch("never"), cpu).wait()
     assert launched == ["first", "second"]
+
+
+@pytest.mark.timeout(60)
+def test_two_stage_exchange_returns_at_once_and_keeps_its_second_stage_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A compressed two-stage allreduce (ByteGrad): the exchange returns with stage 1 in flight; its all-gather
+    is launched from stage 1's completion, before a collective reserved after it (the next bucket's)."""
+    from gradcomm import comm
+    from gradcomm.compression.communicators import TwoStageAllreduce
+    from gradcomm.compression.memory import NoMemory
+    from gradcomm.compression.methods.bytegrad import ByteGrad
+
+    world_size = 2
+    launched: list[str] = []
+    stage1: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+    def all_to_all(rows: torch.Tensor, group: object = None) -> torch.futures.Future[torch.Tensor]:
+        launched.append("all_to_all")
+        sent.append(rows)
+        return stage1
+
+    def all_gather(flat: torch.Tensor, group: object = None) -> torch.futures.Future[torch.Tensor]:
+        launched.append("all_gather")
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future.set_result(flat.repeat(world_size))  # rank 1's mean taken to be rank 0's: the first half counts
+        return future
+
+    sent: list[torch.Tensor] = []
+    monkeypatch.setattr(comm, "group_size", lambda group=None: world_size)
+    monkeypatch.setattr(comm, "all_to_all_single", all_to_all)
+    monkeypatch.setattr(comm, "all_gather_into_tensor", all_gather)
+    communicator, compressor, memory = TwoStageAllreduce(), ByteGrad(), NoMemory()
+    gradient = torch.linspace(-1, 1, 1001)
+    message = communicator.encode(compressor, "weight", gradient, memory, world_size)
+    launcher = OrderedLauncher()
+    averaged = communicator.exchange([message], None, memory, launcher)
+    next_bucket = launcher.launch(lambda: (launched.append("next bucket"), torch.futures.Future())[1],
+                                  torch.device("cpu"))
+    assert launched == ["all_to_all"] and not averaged.done() and not next_bucket.done()
+
+    stage1.set_result(sent[0][:1].repeat(world_size, 1))  # rank 0 of two identical ranks: its row, twice
+    assert launched == ["all_to_all", "all_gather", "next bucket"]
+    (result,) = averaged.wait()
+    assert result.shape == gradient.shape
+    assert torch.allclose(result[:501], gradient[:501], atol=2 / 127)

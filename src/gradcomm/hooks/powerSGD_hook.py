@@ -60,6 +60,11 @@ Differences from torch's implementation (otherwise the same results, bit for bit
 * :func:`batched_powerSGD_hook` works (torch 2.13's fails on a 2-D ``_orthogonalize`` check), honours
   ``orthogonalization_epsilon`` (torch's ignores it), and matches torch's up to rounding: it multiplies out
   the rows holding the zero padding separately instead of padding the bucket.
+* On two ranks, ``P`` and the uncompressed tensors (biases, norms) travel in one allreduce; torch's hook
+  allreduces the uncompressed tensors first and ``P`` after them. The sums are the same bit for bit (a sum
+  of two values is one addition, which is commutative), with one collective per bucket fewer. On three or
+  more ranks they stay apart, as in torch's: the ring orders an element's additions by its offset, so
+  sharing one buffer would change the last bits.
 * ``P`` is not kept between steps (torch keeps a ``p_memory_dict`` whose contents every step overwrites).
 * No waiting inside callbacks, and one order of collectives on every rank. A collective that needs an
   earlier one's result is launched from that one's callback, but all of a state's collectives are launched

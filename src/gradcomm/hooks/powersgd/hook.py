@@ -41,6 +41,18 @@ def _end_call(state: PowerSGDState, bucket: dist.GradBucket) -> None:
         state._launcher.wait_until_launched()
 
 
+def _coalesces(world_size: int) -> bool:
+    """Whether P and the uncompressed tensors share one allreduce, on a group of ``world_size`` ranks.
+
+    Torch's hook allreduces them separately. On two ranks (or one) each element's sum is a single addition,
+    which is commutative, so one allreduce of both gives the same bits as two. On three or more the backend
+    chunks the tensor along the ring and each chunk's sum starts at another rank: moving an element to
+    another offset changes the order of its additions (measured with gloo at 3 and 4 ranks: a few hundred
+    elements of 10^4 differ in the last bit), so there they stay separate, as in torch.
+    """
+    return world_size <= 2
+
+
 def _allreduce_mean(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Plain averaging, before compression starts (divided first, like torch's allreduce hook)."""
     buffer = bucket.buffer()
@@ -160,8 +172,8 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     """Average the bucket's gradients, each matrix compressed to rank ``state.matrix_approximation_rank``.
 
     Matrices worth compressing (see :class:`PowerSGDState`) are compressed layer by layer; the other
-    tensors are averaged by one allreduce. Plain averaging for the first ``state.start_powerSGD_iter``
-    iterations.
+    tensors are averaged by one allreduce, on two ranks the same one as ``P`` (see :func:`_coalesces`). Plain
+    averaging for the first ``state.start_powerSGD_iter`` iterations.
 
     Example::
 
@@ -187,17 +199,26 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     else:
         q_memory, fresh = buffer.new_empty(bound.q_numel), True
         qs = _split_qs(plan, q_memory)
-    p_memory = buffer.new_empty(sum(b.p_numel for b in plan.batches))
+    world_size = comm.group_size(state.process_group)
+    p_numel = sum(b.p_numel for b in plan.batches)
+    uncompressed_numel = sum(n for _, n in plan.uncompressed)
+    # P and the uncompressed tensors in one allreduce: the same sums, bit for bit, only where every element's
+    # sum is one addition whatever the chunking (see _coalesces)
+    coalesced = bool(plan.batches) and uncompressed_numel > 0 and _coalesces(world_size)
+    p_memory = buffer.new_empty(p_numel + (uncompressed_numel if coalesced else 0))
     ps = kernel.split(p_memory, [(len(b.offsets), b.rows, b.rank) for b in plan.batches])
     matrices = [batch.matrices(source) for batch in plan.batches]
 
+    uncompressed = None
+    if uncompressed_numel:
+        uncompressed = p_memory[p_numel:] if coalesced else buffer.new_empty(uncompressed_numel)
+        kernel.gather(source, plan.uncompressed, uncompressed)
     kernel.prepare_qs(qs, q_memory, fresh, state.rng, state.orthogonalization_epsilon)
     for m, q, p in zip(matrices, qs, ps, strict=True):
         torch.bmm(m, q, out=p)
 
     pending: list[torch.futures.Future[torch.Tensor]] = []
-    uncompressed = torch.cat([source[o : o + n] for o, n in plan.uncompressed]) if plan.uncompressed else None
-    if uncompressed is not None:
+    if uncompressed is not None and not coalesced:
         pending.append(
             state._launcher.launch(lambda: comm.all_reduce(uncompressed, state.process_group), buffer.device)
         )
@@ -210,7 +231,6 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
                 torch.bmm(m.transpose(1, 2), p, out=q)
 
         pending.append(_sum_p_then_q(state, p_memory, q_memory, compute_qs))
-    world_size = comm.group_size(state.process_group)
 
     def decompress(fut: torch.futures.Future[list[torch.futures.Future[torch.Tensor]]]) -> torch.Tensor:
         for done in fut.value():

@@ -16,6 +16,7 @@ __all__ = [
     "Batch",
     "decompress_with_error",
     "fill_random",
+    "gather",
     "orthogonalize",
     "prepare_qs",
     "scatter",
@@ -132,6 +133,14 @@ def split(memory: torch.Tensor, sizes: Sequence[tuple[int, int, int]]) -> list[t
         views.append(memory[offset : offset + batch * rows * rank].view(batch, rows, rank))
         offset += batch * rows * rank
     return views
+
+
+def gather(flat: torch.Tensor, spans: Sequence[tuple[int, int]], out: torch.Tensor) -> None:
+    """Copy the ``(offset, numel)`` spans of ``flat`` to consecutive pieces of ``out`` (inverse of :func:`scatter`)."""
+    position = 0
+    for offset, numel in spans:
+        out[position : position + numel].copy_(flat[offset : offset + numel])
+        position += numel
 
 
 def scatter(flat: torch.Tensor, spans: Sequence[tuple[int, int]], out: torch.Tensor) -> None:
