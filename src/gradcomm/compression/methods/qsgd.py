@@ -61,9 +61,8 @@ class QSGD(RandomizedCompressor, name="qsgd", summary="QSGD stochastic quantizat
 
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, TensorSpec]:
         flat = tensor.reshape(-1).to(work_dtype(tensor.dtype))
-        buckets = torch.nn.functional.pad(flat, (0, -flat.numel() % self.bucket_size)).view(
-            -1, self.bucket_size
-        )
+        padding = -flat.numel() % self.bucket_size
+        buckets = (torch.nn.functional.pad(flat, (0, padding)) if padding else flat).view(-1, self.bucket_size)
         # The norm as safe_norm computes it (peak * ||x / peak||), its parts reused: |x| / norm is
         # (|x| / peak) / ||x / peak||, and ||x / peak|| >= 1 (its peak element is 1) or 0 (a bucket of zeros).
         magnitude = buckets.abs()
