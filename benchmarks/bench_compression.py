@@ -8,10 +8,13 @@ interleaved (their order rotated every repetition, so drift on a shared machine 
 median over repetitions is reported with its ratio to allreduce's. Optionally (``--profile N``) the hooks
 are profiled with ``torch.profiler`` for a few steps; ``--hook-only`` times the hook alone instead (one call
 on all the model's gradients as one bucket, no model), the encoding and decoding cost without the noise of
-forward and backward and the top ``N`` operators by self CPU time printed.
+forward and backward and the top ``N`` operators by self CPU time printed. With ``--clock thread`` the hook
+alone is timed in CPU seconds of the calling thread (``time.thread_time``; the hook's torch operators run on
+it with one torch thread) instead of wall-clock seconds: far less disturbed by other processes on a shared
+machine, though not by their use of shared caches and memory bandwidth.
 
     python benchmarks/bench_compression.py [--workloads cnn transformer] [--hooks allreduce topk ...]
-        [--reps 5] [--steps 8] [--warmup 5] [--threads 1] [--hook-only]
+        [--reps 5] [--steps 8] [--warmup 5] [--threads 1] [--hook-only [--clock thread]]
         [--profile 12 --profile-hooks onebit terngrad]
 
 Hooks default to allreduce and every registered method (:func:`gradcomm.compression.registry.methods`), each
@@ -55,9 +58,16 @@ def _measure(
     return seconds
 
 
-def _hook_seconds(workload_name: str, hooks: list[str], reps: int, threads: int) -> dict[str, list[float]]:
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+def _hook_seconds(
+    workload_name: str, hooks: list[str], reps: int, threads: int, clock: str = "wall"
+) -> dict[str, list[float]]:
     """Per hook, seconds of one call of the hook on all the workload's gradients as one bucket (fixed random
-    values, a fresh hook state per repetition after two untimed calls): encoding and decoding alone."""
+    values, a fresh hook state per repetition after two untimed calls): encoding and decoding alone, on the
+    ``clock`` of :data:`CLOCKS`."""
+    now = CLOCKS[clock]
     torch.set_num_threads(threads)
     workload = WORKLOADS[workload_name]()
     torch.manual_seed(0)
@@ -74,9 +84,9 @@ def _hook_seconds(workload_name: str, hooks: list[str], reps: int, threads: int)
             fn, state = make_comm_hook(choice.name, process_group=dist.group.WORLD, **dict(choice.options))
             for _ in range(2):
                 fn(state, bucket).wait()
-            start = time.perf_counter()
+            start = now()
             fn(state, bucket).wait()
-            seconds[hook].append(time.perf_counter() - start)
+            seconds[hook].append(now() - start)
     return seconds
 
 
@@ -126,6 +136,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--hook-only", action="store_true", help="time the hook alone on one bucket of all gradients instead"
     )
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="with --hook-only: wall-clock seconds, or CPU seconds of the hook's thread",
+    )
     parser.add_argument("--profile", type=int, default=0, help="print this many profiler rows per hook")
     parser.add_argument("--profile-hooks", nargs="+", default=[], help="hooks to profile (default: all)")
     args = parser.parse_args(argv)
@@ -134,9 +150,12 @@ def main(argv: list[str] | None = None) -> None:
     for workload in args.workloads:
         if args.hook_only:
             [seconds] = run_on_ranks(
-                _hook_seconds, world_size=1, args=(workload, args.hooks, args.reps, args.threads), timeout=timeout
+                _hook_seconds,
+                world_size=1,
+                args=(workload, args.hooks, args.reps, args.threads, args.clock),
+                timeout=timeout,
             )
-            print(_table(workload, seconds, "hook ms"), "\n", flush=True)
+            print(_table(workload, seconds, "hook ms" if args.clock == "wall" else "hook CPU ms"), "\n", flush=True)
             continue
         [seconds] = run_on_ranks(
             _measure,

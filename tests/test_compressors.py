@@ -26,7 +26,14 @@ from gradcomm.compression import (
     TopK,
     _numerics,
 )
-from gradcomm.compression._numerics import decode_bits, pack_bits, top_magnitudes, unpack_bits
+from gradcomm.compression._numerics import (
+    UNIFORM_SCALE,
+    decode_bits,
+    pack_bits,
+    top_magnitudes,
+    uniform_bits,
+    unpack_bits,
+)
 from gradcomm.compression.communicators import compensated_compress
 from gradcomm.compression.registry import methods
 
@@ -223,7 +230,7 @@ def test_bytegrad_round_trip_within_one_quantization_step(rows):
     assert (error <= step + 1e-6 * rows.double().abs() + 1e-44).all()
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("bits", range(1, 9))
 @FAST
 @given(length=st.integers(1, 70), seed=st.integers(0, 2**16))
 def test_bit_packing_round_trip(bits, length, seed):
@@ -242,6 +249,54 @@ def test_bit_packing_wire_format_is_code_i_at_bit_i_times_bits(bits):
     padded = torch.nn.functional.pad(codes, (0, -37 % per_byte)).reshape(2, -1, per_byte).long()
     expected = (padded << torch.arange(0, 8, bits)).sum(dim=-1).to(torch.uint8)
     assert torch.equal(pack_bits(codes, bits), expected)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_bit_packing_is_one_little_endian_stream_of_exact_width_codes(bits):
+    codes = torch.randint(0, 2**bits, (2, 29), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    packed = pack_bits(codes, bits)
+    for row in range(2):
+        stream = sum(int(code) << (bits * i) for i, code in enumerate(codes[row].tolist()))
+        assert packed[row].tolist() == list(stream.to_bytes(math.ceil(29 * bits / 8), "little"))
+
+
+def test_uniform_bits_are_24_uniform_bits_per_element_repeatable_from_the_seed():
+    draws = [uniform_bits((3, 100_001), torch.Generator().manual_seed(5), torch.device("cpu")) for _ in range(2)]
+    assert torch.equal(draws[0], draws[1]) and draws[0].shape == (3, 100_001) and draws[0].dtype == torch.int32
+    other = uniform_bits((3, 100_001), torch.Generator().manual_seed(6), torch.device("cpu"))
+    assert not torch.equal(draws[0], other)
+    flat = draws[0].reshape(-1)
+    assert int(flat.min()) >= 0 and int(flat.max()) < 2**24
+    # every bit is a fair coin: 300,003 draws, 6 standard errors (0.5 / sqrt(n)) of its frequency
+    for bit in range(24):
+        assert abs(float(((flat >> bit) & 1).double().mean()) - 0.5) < 6 * 0.5 / math.sqrt(flat.numel())
+    # neighbours (the two halves of one 64-bit draw) are uncorrelated
+    u = flat.double() * UNIFORM_SCALE
+    assert abs(float(torch.corrcoef(torch.stack([u[0::2][:150_000], u[1::2][:150_000]]))[0, 1])) < 0.02
+
+
+@pytest.mark.parametrize("bits", [0, 9, 2.0, True])
+def test_bit_packing_refuses_widths_outside_1_to_8(bits):
+    with pytest.raises(ValueError, match=rf"pack_bits: bits must be an integer in 1..8, got {bits!r}"):
+        pack_bits(torch.zeros(8, dtype=torch.uint8), bits)
+
+
+@pytest.mark.parametrize(("levels", "bits"), [(1, 2), (3, 3), (4, 4), (7, 4), (8, 5), (15, 5), (16, 6), (63, 7), (127, 8)])
+@pytest.mark.parametrize("numel", [1, 511, 512, 1000])
+def test_qsgd_payload_is_codes_at_exact_width_plus_one_norm_per_bucket(levels, bits, numel):
+    bucket_size = 512
+    compressor = QSGD(levels=levels, bucket_size=bucket_size)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(levels))
+    payload, ctx = compressor.compress(x)
+    buckets = math.ceil(numel / bucket_size)
+    assert sum(part.numel() * part.element_size() for part in payload) == math.ceil(
+        bits * buckets * bucket_size / 8
+    ) + 4 * buckets
+    assert (2 * levels + 1) <= 2**bits and 2 * levels + 1 > 2 ** (bits - 1)
+    codes = unpack_bits(payload[0], bits, numel)
+    assert int(codes.max()) <= 2 * levels
+    y = compressor.decompress(payload, ctx)
+    assert torch.allclose(y.abs() * levels / payload[1].repeat_interleave(bucket_size)[:numel], codes.float().sub(levels).abs(), atol=1e-4)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4])

@@ -14,6 +14,7 @@ percent of it, float-to-uint8 conversions and reductions along a leading axis.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable
 
 import torch
@@ -22,6 +23,7 @@ __all__ = [
     "as_uint8",
     "decode_bits",
     "index_dtype",
+    "nonzero_or_one",
     "ordered_mean",
     "pack_bits",
     "pack_signs",
@@ -35,6 +37,8 @@ __all__ = [
     "sparse_mean",
     "sparse_to_dense",
     "top_magnitudes",
+    "uniform_bits",
+    "UNIFORM_SCALE",
     "unpack_bits",
     "unpack_signs",
     "work_dtype",
@@ -46,8 +50,13 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _nonzero(x: torch.Tensor) -> torch.Tensor:
+def nonzero_or_one(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with zeros replaced by ones: a divisor for magnitudes whose scale is 0 only where they all are
+    (then ``0 / 1 == 0`` without the mask :func:`safe_divide` multiplies by)."""
     return torch.where(x == 0, torch.ones_like(x), x)
+
+
+_nonzero = nonzero_or_one
 
 
 def ordered_mean(tensors: Iterable[torch.Tensor], count: int) -> torch.Tensor:
@@ -94,22 +103,26 @@ def safe_mean_abs(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return peak * (scaled.mean() if dim is None else scaled.mean(dim=dim, keepdim=True))
 
 
-def safe_std(x: torch.Tensor) -> torch.Tensor:
-    """Population standard deviation of all elements without overflow."""
-    peak = _max_abs(x, None)
+def safe_std(x: torch.Tensor, peak: torch.Tensor | None = None) -> torch.Tensor:
+    """Population standard deviation of all elements without overflow; ``peak``: ``x.abs().amax()`` where the
+    caller has it already."""
+    peak = _max_abs(x, None) if peak is None else peak
     return peak * (x / _nonzero(peak)).std(correction=0)
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack unsigned codes ``< 2**bits`` along the last dimension, ``8 // bits`` per byte (zero padded).
+    """Pack unsigned codes ``< 2**bits`` (``bits`` in 1..8) along the last dimension at exactly ``bits`` bits
+    each: ``ceil(length * bits / 8)`` bytes, zero padded.
 
-    Code ``i`` of a byte sits at bits ``i * bits`` upwards (the first code in the lowest bits). Eight codes
-    at a time are packed as one int64 word (one code per byte, little-endian), whose fields are merged
-    pairwise by shift-or-mask steps until each byte holds ``8 // bits`` of them: a few vectorised passes over
-    an eighth of the elements, where shifting each code into place took a broadcast uint8 pass per code.
+    The bytes are one little-endian bit stream: code ``i`` sits at stream bits ``i * bits`` upwards (for 1, 2
+    and 4 bits: code ``i`` of a byte at bits ``i * bits``, the first code in the lowest bits; other widths
+    straddle bytes). Eight codes at a time are packed as one int64 word (one code per byte, little-endian),
+    whose fields are merged pairwise by shift-and-mask steps (:func:`_merge_steps`) until they fill whole
+    bytes: a few vectorised passes over an eighth of the elements, where shifting each code into place took a
+    broadcast uint8 pass per code.
     """
-    if bits not in (1, 2, 4, 8):
-        raise ValueError(f"pack_bits: bits must be 1, 2, 4 or 8, got {bits}")
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"pack_bits: bits must be an integer in 1..8, got {bits!r}")
     codes = as_uint8(codes)
     if bits == 8:
         return codes
@@ -117,12 +130,52 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     aligned = length % 8 == 0 and codes.is_contiguous() and codes.storage_offset() % 8 == 0
     padded = codes if aligned else torch.nn.functional.pad(codes, (0, -length % 8))  # a fresh, aligned copy
     words = padded.reshape(*codes.shape[:-1], -1, 8).view(torch.int64)
-    width, spacing = bits, 8
-    while width < 8:
-        words = (words | (words >> (spacing - width))).bitwise_and_(_field_mask(2 * width, 2 * spacing))
-        width, spacing = 2 * width, 2 * spacing
-    packed = words.view(torch.uint8)[..., :: 8 // bits]
+    steps = _merge_steps(bits)
+    for width, spacing in steps:
+        shifted = words >> (spacing - width)
+        if spacing >= 2 * width:  # the lower field shifts out entirely: one mask keeps both fields
+            words = shifted.bitwise_or_(words).bitwise_and_(_field_mask(2 * width, 2 * spacing))
+        else:
+            low = _field_mask(width, 2 * spacing)
+            words = shifted.bitwise_and_(low << width).bitwise_or_(words.bitwise_and(low))
+    width, spacing = _packed_field(bits)
+    packed = words.view(torch.uint8).reshape(*codes.shape[:-1], -1, spacing // 8)[..., : width // 8]
     return packed.reshape(*codes.shape[:-1], -1)[..., : -(-length * bits // 8)]
+
+
+@functools.lru_cache(maxsize=8)
+def _merge_steps(bits: int) -> tuple[tuple[int, int], ...]:
+    """The ``(width, spacing)`` of the fields before each merge of :func:`pack_bits`: fields of ``width``
+    bits every ``spacing`` bits become fields of twice both, until a field is whole bytes."""
+    steps, width, spacing = [], bits, 8
+    while width % 8:
+        steps.append((width, spacing))
+        width, spacing = 2 * width, 2 * spacing
+    return tuple(steps)
+
+
+def _packed_field(bits: int) -> tuple[int, int]:
+    """Width and spacing of :func:`pack_bits`' fields after its last merge."""
+    steps = _merge_steps(bits)
+    return (2 * steps[-1][0], 2 * steps[-1][1]) if steps else (8, 8)
+
+
+def _unpack_words(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits` for any width: its merges undone in reverse order, as uint8 codes."""
+    width, spacing = _packed_field(bits)
+    field_bytes, word_bytes = width // 8, spacing // 8
+    lead = packed.shape[:-1]
+    groups = -(-packed.shape[-1] // field_bytes)
+    fields = torch.nn.functional.pad(packed, (0, groups * field_bytes - packed.shape[-1]))
+    fields = fields.reshape(*lead, groups, field_bytes)
+    bytes_ = torch.nn.functional.pad(fields, (0, word_bytes - field_bytes)).reshape(*lead, -1)
+    words = torch.nn.functional.pad(bytes_, (0, -bytes_.shape[-1] % 8)).reshape(*lead, -1, 8).view(torch.int64)
+    for width, spacing in reversed(_merge_steps(bits)):
+        low = _field_mask(width, 2 * spacing)
+        words = words.bitwise_and(low << width).bitwise_left_shift_(spacing - width).bitwise_or_(
+            words.bitwise_and_(low)
+        )
+    return words.view(torch.uint8).reshape(*lead, -1)[..., :length]
 
 
 def as_uint8(codes: torch.Tensor) -> torch.Tensor:
@@ -148,7 +201,8 @@ def _byte_codes(bits: int, device: torch.device) -> torch.Tensor:
 
 
 def decode_bits(packed: torch.Tensor, bits: int, length: int, values: torch.Tensor) -> torch.Tensor:
-    """The first ``length`` codes of :func:`pack_bits` along the last dimension, each replaced by its value:
+    """The first ``length`` codes of :func:`pack_bits` (1, 2 or 4 bits wide) along the last dimension, each
+    replaced by its value:
     ``values[code]``, with ``values`` of shape ``(2**bits,)``, or ``values[row, code]`` with one row of values
     per row of ``packed`` (shape ``(*packed.shape[:-1], 2**bits)``: per-row scales).
 
@@ -170,6 +224,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: the first ``length`` codes along the last dimension, as uint8."""
     if bits == 8:
         return packed[..., :length]
+    if 8 % bits:
+        return _unpack_words(packed, bits, length)
     return decode_bits(packed, bits, length, torch.arange(2**bits, dtype=torch.uint8, device=packed.device))
 
 
@@ -186,6 +242,23 @@ def unpack_signs(packed: torch.Tensor, length: int, dtype: torch.dtype) -> torch
 def sign_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The values of sign codes 0 and 1 (:func:`pack_signs`): ``[-1, +1]``; times a scale, for :func:`decode_bits`."""
     return torch.tensor([-1, 1], dtype=dtype, device=device)
+
+
+UNIFORM_SCALE = 2.0**-24
+""":func:`uniform_bits` times this is uniform on ``[0, 1)`` in steps of ``2**-24``, as ``torch.rand`` in float32."""
+
+
+def uniform_bits(shape: torch.Size | tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """Independent uniform int32 in ``[0, 2**24)``: 24 random bits per element, from half as many 64-bit draws.
+
+    ``torch.rand`` spends one draw of the CPU generator (mt19937) and a conversion per float; two 24-bit fields
+    cut from each 64-bit draw cost about a third of that. Scaled by :data:`UNIFORM_SCALE` (fused into an
+    ``add``/``sub``'s ``alpha``), these have ``torch.rand``'s float32 distribution: stochastic rounding with them
+    is unbiased up to the same ``2**-24`` of a step. Every element depends only on the generator's seed.
+    """
+    numel = math.prod(shape)
+    words = torch.empty((numel + 1) // 2, dtype=torch.int64, device=device).random_(generator=generator)
+    return words.view(torch.int32)[:numel].bitwise_and_(2**24 - 1).view(shape)
 
 
 # -- sparse payloads: values at indices (top-k, DGC) ------------------------------------------------------------

@@ -6,20 +6,34 @@ coordinate, a sign and a level ``l`` in ``0..s`` drawn so that ``E[norm * l / s]
 Defaults ``levels=7``, ``bucket_size=512``: the paper's 4-bit QSGD (sign and level in 4 bits) with its bucket
 size of 512; ``levels=127`` gives 8-bit QSGD.
 
+Wire format: per coordinate the code ``sign * level + levels`` (``0..2 * levels``) at exactly
+``bits = ceil(log2(2 * levels + 1))`` bits, bit-packed across byte boundaries
+(:func:`~gradcomm.compression._numerics.pack_bits`: ``ceil(bits * padded numel / 8)`` bytes), then one norm
+per bucket in the work dtype (float32 or wider); ``levels=3`` costs 3 bits, ``levels=15`` 5.
+
 Trade-offs: unbiased, with variance at most ``min(d / s**2, sqrt(d) / s) * ||bucket||**2`` (Lemma 3.1,
 ``d = bucket_size``); error feedback is off by default (not needed for convergence) but may be switched on.
 Per-rank norms and randomness make payloads non-summable: they are all-gathered. Elias coding of the levels
 (the paper's further lossless compression) is replaced by fixed-width codes: simpler and GPU-friendly, with
 a payload size independent of the values. Random draws come from generators seeded by ``(seed, rank, parameter, draw count)``
 (:class:`~gradcomm.compression.base.RandomizedCompressor`): independent across ranks and parameters, and
-the same whatever order the tensors are compressed in.
+the same whatever order the tensors are compressed in; the noise has ``torch.rand``'s float32 resolution
+(:func:`~gradcomm.compression._numerics.uniform_bits`), so a level is unbiased up to ``2**-24`` of a step.
 """
 
 from __future__ import annotations
 
 import torch
 
-from gradcomm.compression._numerics import pack_bits, safe_divide, safe_norm, unpack_bits, work_dtype
+from gradcomm.compression._numerics import (
+    UNIFORM_SCALE,
+    decode_bits,
+    nonzero_or_one,
+    pack_bits,
+    uniform_bits,
+    unpack_bits,
+    work_dtype,
+)
 from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompressor, TensorSpec
 from gradcomm.compression.communicators import ALLGATHER
 
@@ -43,25 +57,34 @@ class QSGD(RandomizedCompressor, name="qsgd", summary="QSGD stochastic quantizat
         super().__init__(seed)
         self.levels = levels
         self.bucket_size = bucket_size
-        self._bits = next(bits for bits in (1, 2, 4, 8) if 2**bits >= 2 * levels + 1)
+        self._bits = (2 * levels).bit_length()  # codes 0..2 * levels: ceil(log2(2 * levels + 1)) bits
 
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, TensorSpec]:
         flat = tensor.reshape(-1).to(work_dtype(tensor.dtype))
-        buckets = torch.nn.functional.pad(flat, (0, -flat.numel() % self.bucket_size)).view(
-            -1, self.bucket_size
-        )
-        norms = safe_norm(buckets, dim=1)
-        scaled = safe_divide(buckets.abs(), norms).clamp_(max=1) * self.levels
-        noise = torch.rand(
-            scaled.shape, generator=self.generator(flat.device), dtype=scaled.dtype, device=flat.device
-        )
-        levels = (scaled + noise).floor_().clamp_(max=self.levels)
-        codes = buckets.sign().mul_(levels).add_(self.levels)
+        padding = -flat.numel() % self.bucket_size
+        buckets = (torch.nn.functional.pad(flat, (0, padding)) if padding else flat).view(-1, self.bucket_size)
+        # The norm as safe_norm computes it (peak * ||x / peak||), its parts reused: |x| / norm is
+        # (|x| / peak) / ||x / peak||, and ||x / peak|| >= 1 (its peak element is 1) or 0 (a bucket of zeros).
+        magnitude = buckets.abs()
+        peak = magnitude.amax(dim=1, keepdim=True)
+        relative = magnitude.div_(nonzero_or_one(peak))
+        relative_norm = relative.norm(dim=1, keepdim=True)
+        norms = (peak * relative_norm).clamp_(max=torch.finfo(flat.dtype).max)
+        scaled = relative.mul_(self.levels / nonzero_or_one(relative_norm))  # |x| / norm * levels, <= levels
+        noise = uniform_bits(scaled.shape, self.generator(flat.device), flat.device)
+        levels = scaled.add_(noise, alpha=UNIFORM_SCALE).floor_().clamp_(max=self.levels)
+        codes = torch.copysign(levels, buckets).add_(self.levels)  # -0.0 (x = -0): code levels, as +0
         return [pack_bits(codes.reshape(-1), self._bits), norms.reshape(-1)], TensorSpec.of(tensor)
 
     def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
         packed, norms = payload
-        codes = unpack_bits(packed, self._bits, norms.numel() * self.bucket_size).view(-1, self.bucket_size)
-        # the fraction (at most 1 in magnitude) first: norm / levels * levels can round past the dtype's maximum
-        values = ((codes.to(norms.dtype) - self.levels) / self.levels) * norms.unsqueeze(1)
+        length = norms.numel() * self.bucket_size
+        # code c means (c - levels) / levels of the norm: the fraction (at most 1 in magnitude) first, as
+        # norm / levels * levels can round past the dtype's maximum
+        fractions = (torch.arange(2**self._bits, dtype=norms.dtype, device=norms.device) - self.levels) / self.levels
+        if 8 % self._bits == 0:
+            values = decode_bits(packed, self._bits, length, fractions)
+        else:
+            values = fractions.index_select(0, unpack_bits(packed, self._bits, length).to(torch.int32))
+        values = values.view(-1, self.bucket_size).mul_(norms.unsqueeze(1))
         return values.reshape(-1)[: ctx.numel].to(ctx.dtype).view(ctx.shape)

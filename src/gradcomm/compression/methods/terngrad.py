@@ -12,14 +12,23 @@ mitigates. The paper's scalar sharing (one ``s`` for all ranks, making ternaries
 extra collective; here each rank keeps its scale and payloads are all-gathered. Error feedback is off by
 default. Random draws come from generators seeded by ``(seed, rank, parameter, draw count)``
 (:class:`~gradcomm.compression.base.RandomizedCompressor`): independent across ranks and parameters, and
-the same whatever order the tensors are compressed in.
+the same whatever order the tensors are compressed in; the noise has ``torch.rand``'s float32 resolution
+(:func:`~gradcomm.compression._numerics.uniform_bits`), so ``b_i`` is unbiased up to ``2**-24``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from gradcomm.compression._numerics import decode_bits, pack_bits, safe_divide, safe_std, work_dtype
+from gradcomm.compression._numerics import (
+    UNIFORM_SCALE,
+    decode_bits,
+    nonzero_or_one,
+    pack_bits,
+    safe_std,
+    uniform_bits,
+    work_dtype,
+)
 from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompressor, TensorSpec
 from gradcomm.compression.communicators import ALLGATHER
 
@@ -40,20 +49,18 @@ class TernGrad(RandomizedCompressor, name="terngrad", summary="TernGrad ternary 
 
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, TensorSpec]:
         flat = tensor.reshape(-1).to(work_dtype(tensor.dtype))
-        if self.clip is not None:
-            std = safe_std(flat)
-            bound = torch.where(
-                std > 0, self.clip * std, flat.abs().amax()
-            )  # a constant tensor is not clipped
-            flat = flat.clamp(-bound, bound)
         magnitude = flat.abs()
         scale = magnitude.amax()
-        noise = torch.rand(
-            flat.shape, generator=self.generator(flat.device), dtype=flat.dtype, device=flat.device
-        )
+        if self.clip is not None:
+            std = safe_std(flat, scale)
+            # Clipping x to +-bound is clipping |x| to bound (signs are x's); a constant tensor is not clipped.
+            scale = torch.where(std > 0, torch.minimum(self.clip * std, scale), scale)
+            magnitude = magnitude.clamp_(max=scale)
+        noise = uniform_bits(flat.shape, self.generator(flat.device), flat.device)
         # keep (as 1, else 0) where noise < |x| / scale: the difference is in (-1, 1], so its ceiling is 0 or 1
-        keep = safe_divide(magnitude, scale).sub_(noise).ceil_()
-        codes = flat.sign().mul_(keep).add_(1)  # 0, 1, 2 for -scale, 0, +scale
+        # (a zero scale: all zeros, 0 / 1)
+        keep = magnitude.div_(nonzero_or_one(scale)).sub_(noise, alpha=UNIFORM_SCALE).ceil_()
+        codes = torch.copysign(keep, flat).add_(1)  # 0, 1, 2 for -scale, 0, +scale (x = -0 or keep -0: 1)
         return [pack_bits(codes, 2), scale.reshape(1)], TensorSpec.of(tensor)
 
     def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
