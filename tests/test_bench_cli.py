@@ -223,6 +223,14 @@ def test_time_to_target_loss_on_synthetic_runs() -> None:
     assert fast_summary.time_to_target_s == pytest.approx(0.5 * 10)
     assert fast_summary.projected_time_to_target_s == pytest.approx(10 * (0.1 + 0.16))
     assert (fast_summary.handed_ratio, fast_summary.wire_ratio) == (1.0, 2.0)
+    # emulated hosts: the floor and the projections move the bytes that crossed the host link (0.5 MB/step,
+    # 0.04 s at 100 Mbit/s), not the ranks' own wire bytes, which include their traffic inside a host
+    hosts = summarize(reference, warmup=2, bandwidth_bps=1e8, target=target, projection=projection,
+                      host_link_bytes=5e5)
+    assert hosts.floor_ms == pytest.approx(1e3 * (0.1 + 0.04))
+    assert hosts.projected_ms["1gbit"] == pytest.approx(1e3 * (0.1 + 0.004))
+    assert hosts.projected_time_to_target_s == pytest.approx(0.14 * 27)
+    assert hosts.host_link_mb_per_step == pytest.approx(0.5)
 
 
 def test_ratios_of_a_run_that_sends_nothing() -> None:

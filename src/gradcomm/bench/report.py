@@ -144,9 +144,13 @@ def time_to_loss(step_seconds: Sequence[float], losses: Sequence[float], target:
     return None
 
 
-def projected_step_seconds(run: dict[str, Any], rate_bps: float) -> list[float]:
-    """Each step's time at ``rate_bps``: the run's compute time plus that step's wire bytes over the rate."""
-    return [run["compute_seconds"] + 8 * wire / rate_bps for wire in run["wire_bytes_per_step"]]
+def projected_step_seconds(
+    run: dict[str, Any], rate_bps: float, wire_bytes_per_step: Sequence[float] | None = None
+) -> list[float]:
+    """Each step's time at ``rate_bps``: the run's compute time plus that step's wire bytes over the rate
+    (``wire_bytes_per_step``, else the run's own)."""
+    wire_bytes = run["wire_bytes_per_step"] if wire_bytes_per_step is None else wire_bytes_per_step
+    return [run["compute_seconds"] + 8 * wire / rate_bps for wire in wire_bytes]
 
 
 def host_link_bytes_per_step(rank_runs: list[dict[str, Any]], warmup: int) -> float | None:
@@ -180,12 +184,13 @@ def summarize(
     """Steady-state figures of one hook's run (steps from ``warmup`` on), and its times to ``target``
     (measured, and at ``projection``'s rate when given).
 
-    With ``host_link_bytes`` (per step, :func:`host_link_bytes_per_step`) the floor is the time to move them at
-    ``bandwidth_bps`` rather than the ranks' own wire bytes.
+    With ``host_link_bytes`` (per step, :func:`host_link_bytes_per_step`: emulated hosts) the floor and every
+    projection move those bytes, what crossed between hosts, rather than the ranks' own wire bytes, which
+    include their traffic inside a host.
     """
     steady = slice(min(warmup, len(run["step_seconds"]) - 1), None)
     sent = statistics.median(run["bytes_per_step"][steady])
-    wire = statistics.median(run["wire_bytes_per_step"][steady])
+    wire = statistics.median(run["wire_bytes_per_step"][steady]) if host_link_bytes is None else host_link_bytes
     compute = run["compute_seconds"]
     measured = statistics.median(run["step_seconds"][steady])
 
@@ -193,14 +198,13 @@ def summarize(
         return 1e3 * (compute + 8 * wire / rate)
 
     floor = projected(bandwidth_bps) if bandwidth_bps else None
-    if bandwidth_bps and host_link_bytes is not None:
-        floor = 1e3 * (compute + 8 * host_link_bytes / bandwidth_bps)
     to_target = projected_to_target = None
     if target is not None:
         to_target = time_to_loss(run["step_seconds"], run["losses"], target.loss)
         if projection is not None:
+            step_wire = None if host_link_bytes is None else [host_link_bytes] * len(run["losses"])
             projected_to_target = time_to_loss(
-                projected_step_seconds(run, projection.bps), run["losses"], target.loss
+                projected_step_seconds(run, projection.bps, step_wire), run["losses"], target.loss
             )
     return HookSummary(
         label=run["label"],
