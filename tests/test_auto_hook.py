@@ -252,3 +252,40 @@ def test_registry_round_trip_and_weights_only_state_dict(tmp_path: Any) -> None:
     other = AutoHookState(candidates="allreduce")
     with pytest.raises(ValueError, match="written with candidates 'allreduce\\+fp16_compress'.*same 'candidates'"):
         other.load_state_dict(loaded)
+
+
+class _SlowFuture:
+    """A finished future whose ``wait()`` moves the test's clock on: the step's collectives taking 10 s."""
+
+    def __init__(self, clock: list[float], value: torch.Tensor) -> None:
+        self.clock, self.value = clock, value
+
+    def wait(self) -> torch.Tensor:
+        self.clock[0] += 10.0
+        return self.value
+
+
+def _trial_step_time_includes_the_wait() -> dict[str, float]:
+    import gradcomm.hooks.auto_hook as auto_module
+
+    clock = [100.0]
+    real = auto_module.time.perf_counter
+    auto_module.time.perf_counter = lambda: clock[0]
+    try:
+        state = AutoHookState(candidates="allreduce+fp16_compress")
+        state._window = (0, 100.0)
+        gradient = torch.ones(8)
+        state._pending = [([0], [8], [gradient.clone()], [1], _SlowFuture(clock, gradient))]
+        state._end_step()  # waits for the step's futures (10 s on the clock), then runs the error pass
+        state._begin_step()  # closes the step's window
+    finally:
+        auto_module.time.perf_counter = real
+    return {"step_seconds": state._figures[0].step_seconds[0]}
+
+
+@pytest.mark.timeout(120)
+def test_a_trial_step_counts_the_wait_for_its_collectives() -> None:
+    """Waiting for the step's collectives at its last bucket is the candidate's time, not auto's overhead
+    (it was subtracted once, which made bandwidth-bound candidates look as fast as their compute)."""
+    out = run_on_ranks(_trial_step_time_includes_the_wait, world_size=1, timeout=100)[0]
+    assert out["step_seconds"] == pytest.approx(10.0), out

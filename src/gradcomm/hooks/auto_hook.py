@@ -12,12 +12,15 @@ How it decides (steps are counted by the bucket for which ``is_last()`` holds; e
 step boundary, before the step's first bucket is handed on, and identically on every rank):
 
 1. *Link.* At the first step, and every ``remeasure_every`` steps, a few timed allreduces of 4 KiB, 64 KiB and
-   1 MiB (the fastest of two each, then the maximum over the ranks, so every rank has the same figures) are
-   fitted to ``latency + wire bytes / bandwidth``. On one rank there is no link: latency 0, bandwidth infinite.
+   1 MiB, then one that takes about 30 ms at the bandwidth these suggest (1 to 16 MiB, so that a shaper's
+   burst allowance does not pass for bandwidth), are fitted to ``latency + wire bytes / bandwidth`` (the
+   fastest of two each, then the maximum over the ranks, so every rank has the same figures). On one rank
+   there is no link: latency 0, bandwidth infinite.
 2. *Trial.* Every training step of the trial is a real step with one candidate doing the averaging, in
    round-robin passes over the candidates (``trial_steps`` passes). Per candidate it records
 
-   * the *step time*: the wall time from one step's first bucket to the next's, less auto's own measuring.
+   * the *step time*: the wall time from one step's first bucket to the next's, less auto's own measuring
+     (the error pass; waiting for the step's collectives at its last bucket is the step's own time).
      This is everything the candidate costs (encoding, launching, decoding in callbacks, and contention with
      backward), which timing the hook call and callbacks alone would miss; its *compute* is the step time
      less the network time the link model predicts for it, so the model reproduces the measured time on the
@@ -95,6 +98,8 @@ PowerSGD compresses from the run's third step (``start_powerSGD_iter=2``), its f
 
 _PROBE_BYTES = (4 << 10, 64 << 10, 1 << 20)
 _PROBE_REPEATS = 2
+_PROBE_SECONDS = 0.03
+_PROBE_MAX_BYTES = 16 << 20
 _SAMPLE_PER_PARAMETER = 1024
 _CUT_FACTOR = 1.5
 _REFUSED = {"auto": "auto cannot be its own candidate", "noop": "noop does not average gradients",
@@ -275,27 +280,39 @@ class AutoHookState(HookState):
 
     # -- the link ----------------------------------------------------------------------------------------------
     def _probe_link(self) -> Link:
-        """Time allreduces of a few sizes on the group and fit ``latency + wire bytes / bandwidth``."""
+        """Time allreduces of a few sizes on the group and fit ``latency + wire bytes / bandwidth``.
+
+        The fixed sizes (4 KiB to 1 MiB) give a first fit; then one size that takes about
+        :data:`_PROBE_SECONDS` at that bandwidth (1 to 16 MiB) is timed too, so that a link shaper's burst
+        allowance or a collective's fixed cost does not pass for bandwidth. Every rank times the same sizes:
+        the second size follows from the first fit of times agreed over the ranks.
+        """
         world = comm.group_size(self.process_group)
         if world == 1:
             return Link(0.0, math.inf)
+        sizes = list(_PROBE_BYTES)
+        seconds = self._agree([self._time_allreduce(size) for size in sizes])
+        first = _fit([comm.wire_bytes({"all_reduce": n}, world) for n in sizes], seconds)
+        if math.isfinite(first.bandwidth):
+            large = int(min(max(first.bandwidth * _PROBE_SECONDS, 1 << 20), _PROBE_MAX_BYTES)) // 4 * 4
+            if large > 2 * sizes[-1]:
+                sizes.append(large)
+                seconds += self._agree([self._time_allreduce(large)])
+        return _fit([comm.wire_bytes({"all_reduce": n}, world) for n in sizes], seconds)
+
+    def _time_allreduce(self, size: int) -> float:
+        """The fastest of :data:`_PROBE_REPEATS` allreduces of ``size`` bytes on the group (uncounted)."""
         device = comm.collective_device(self.process_group)
-        best = []
-        for size in _PROBE_BYTES:
-            tensor = torch.zeros(size // 4, dtype=torch.float32, device=device)
-            dist.all_reduce(tensor[:1], group=self.process_group)  # lines the ranks up; not timed
-            fastest = math.inf
-            for _ in range(_PROBE_REPEATS):
-                _synchronize(device)
-                start = time.perf_counter()
-                dist.all_reduce(tensor, group=self.process_group)
-                _synchronize(device)
-                fastest = min(fastest, time.perf_counter() - start)
-            best.append(fastest)
-        agreed = torch.tensor(best, dtype=torch.float64, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.process_group)
-        wire = [comm.wire_bytes({"all_reduce": size}, world) for size in _PROBE_BYTES]
-        return _fit(wire, agreed.tolist())
+        tensor = torch.zeros(size // 4, dtype=torch.float32, device=device)
+        dist.all_reduce(tensor[:1], group=self.process_group)  # lines the ranks up; not timed
+        fastest = math.inf
+        for _ in range(_PROBE_REPEATS):
+            _synchronize(device)
+            start = time.perf_counter()
+            dist.all_reduce(tensor, group=self.process_group)
+            _synchronize(device)
+            fastest = min(fastest, time.perf_counter() - start)
+        return fastest
 
     def _agree(self, values: list[float]) -> list[float]:
         """The maximum of ``values`` over the ranks (a collective; the same list on every rank)."""
@@ -451,13 +468,17 @@ class AutoHookState(HookState):
         return keys, numels, samples, strides
 
     def _end_step(self) -> None:
-        """At the last bucket of a trial step: wait for the step's futures, count its traffic, measure error."""
-        start = time.perf_counter()
+        """At the last bucket of a trial step: wait for the step's futures, count its traffic, measure error.
+
+        The wait is the step's own (the DDP waits for every bucket at the end of backward anyway) and stays in
+        its measured time; only the error pass after it is auto's overhead.
+        """
         pending, self._pending = self._pending, []
         results = []
         for *_, future in pending:
             value = future.wait()
             results.append(value[0] if isinstance(value, list) else value)
+        start = time.perf_counter()
         before, calls_before = self._traffic_before
         after = comm.traffic.snapshot()
         sent = {kind: n - before.get(kind, 0) for kind, n in after.items() if n != before.get(kind, 0)}
