@@ -171,11 +171,7 @@ def test_two_hosts_of_two_ranks_measure_the_host_links(tmp_path: Path, privilege
             assert (output / "logs" / name).stat().st_size > 0, name
         assert "training 4 steps on 4 ranks" in (output / "logs" / "rank3.log").read_text()
     finally:
-        if bench.poll() is None:
-            bench.kill()
-        left = _processes_mentioning(str(output))
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
+        left = _end(bench, output, group=False)
     assert left == [], "torchrun or rank processes outlived the run"
     assert [name for name in _netns_names() if name.startswith(f"gc{bench.pid}-")] == []
 
@@ -194,11 +190,7 @@ def test_a_killed_rank_ends_both_torchruns_and_the_namespaces(tmp_path: Path, pr
         os.kill(victim, signal.SIGKILL)
         _, err = bench.communicate(timeout=120)
     finally:
-        if bench.poll() is None:
-            os.killpg(bench.pid, signal.SIGKILL)
-        left = _processes_mentioning(str(output))
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
+        left = _end(bench, output, group=True)
     assert bench.returncode == 1, err
     assert len(err.strip().splitlines()) == 1, err
     # The victim's host or its peer's, whichever torchrun notices first, naming the rank at the root
@@ -209,6 +201,20 @@ def test_a_killed_rank_ends_both_torchruns_and_the_namespaces(tmp_path: Path, pr
     ), err
     assert left == [], "torchrun or rank processes outlived the failed run"
     assert [name for name in _netns_names() if name.startswith(f"gc{bench.pid}-")] == []
+
+
+def _end(bench: subprocess.Popen | None, output: Path, group: bool = False) -> list[int]:
+    """Kill the bench if it still runs (its whole process group with ``group``), then every process still
+    mentioning ``output``; return those, which a clean run leaves none of."""
+    if bench is not None and bench.poll() is None:
+        if group:
+            os.killpg(bench.pid, signal.SIGKILL)
+        else:
+            bench.kill()
+    left = _processes_mentioning(str(output))
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
 
 
 def _wait_until_training(bench: subprocess.Popen, log: Path, rank: int, within: float = 200) -> int:
@@ -238,11 +244,7 @@ def test_ctrl_c_ends_both_torchruns_and_the_namespaces(tmp_path: Path, privilege
         os.killpg(bench.pid, signal.SIGINT)
         _, err = bench.communicate(timeout=120)
     finally:
-        if bench.poll() is None:
-            os.killpg(bench.pid, signal.SIGKILL)
-        left = _processes_mentioning(str(output))
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
+        left = _end(bench, output, group=True)
     assert bench.returncode == 130, err
     assert err.strip() == "gradcomm bench: interrupted; all ranks and network namespaces were removed", err
     assert left == [], "torchrun or rank processes outlived the interrupted run"
@@ -269,11 +271,7 @@ def test_a_run_past_its_timeout_ends_in_one_line(tmp_path: Path, privileged: Non
     try:
         _, err = bench.communicate(timeout=150)
     finally:
-        if bench.poll() is None:
-            bench.kill()
-        left = _processes_mentioning(str(output))
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
+        left = _end(bench, output, group=False)
     assert bench.returncode == 1, err
     assert err == (
         f"gradcomm bench: error: the hosts' ranks did not finish within 8 s and were killed (raise --timeout, or see "
@@ -302,9 +300,7 @@ def test_a_killed_parent_s_torchruns_end_their_ranks_and_the_next_run_removes_it
         while _processes_mentioning(str(output)) and time.monotonic() < deadline:
             time.sleep(0.5)
     finally:
-        left = _processes_mentioning(str(output))
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
+        left = _end(None, output)
     assert left == [], "torchrun or rank processes outlived their killed parent"
     hosts_left = [name for name in _netns_names() if re.fullmatch(rf"gc{bench.pid}-\d+-h\d", name)]
     assert len(hosts_left) == 2, _netns_names()

@@ -171,8 +171,10 @@ def test_telemetry(tmp_path: Any, world_size: int) -> None:
         assert out["legacy"]["bytes_sent"] == 2 * DENSE_BYTES and out["legacy"]["steps"] == 2
         plain, powersgd = out["two_ddps"]["plain"], out["two_ddps"]["powersgd"]
         assert plain["bytes_sent"] == DENSE_BYTES and plain["collective_calls"] == 1, plain
-        # rank 1: P and Q of both weights ((20 + 10) + (5 + 20) floats) and the 25 biases, in 3 collectives
-        assert powersgd["bytes_sent"] == (30 + 25 + 25) * 4 and powersgd["collective_calls"] == 3, powersgd
+        # rank 1: P and Q of both weights ((20 + 10) + (5 + 20) floats) and the 25 biases, in 3 collectives, or
+        # in 2 on two ranks, where the biases share P's allreduce (hooks/powersgd/hook.py)
+        calls = 2 if world_size == 2 else 3
+        assert powersgd["bytes_sent"] == (30 + 25 + 25) * 4 and powersgd["collective_calls"] == calls, powersgd
         lines = (tmp_path / f"rank{rank}.jsonl").read_text().splitlines()
         records = [json.loads(line) for line in lines]
         assert [r["step"] for r in records] == [1, 2, 3, 4]

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gradcomm.testing.network import HostNetwork
+from gradcomm.testing.processes import log_rank_output
 
 __all__ = ["HOST_LINK_ENV", "LOG_DIR_ENV", "HostsFailure", "redirect_rank_output", "run_hosts"]
 
@@ -263,16 +264,4 @@ def _read(path: Path) -> str:
 
 def redirect_rank_output(rank: int) -> None:
     """On a rank started by :func:`run_hosts`: send stdout, stderr and INFO logging to its log file."""
-    log = Path(os.environ[LOG_DIR_ENV]) / f"rank{rank}.log"
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s rank {rank} (pid %(process)d) %(name)s: %(message)s",
-        stream=sys.stderr,
-        force=True,
-    )
+    log_rank_output(Path(os.environ[LOG_DIR_ENV]) / f"rank{rank}.log", rank)

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["Cause", "Outcome", "free_port", "launch"]
+__all__ = ["Cause", "Outcome", "free_port", "launch", "log_rank_output"]
 
 _POLL_SECONDS = 0.05
 _GRACE_SECONDS = 3.0  # for the peers of a failed rank to fail in turn and report why
@@ -284,13 +284,7 @@ def _rank_main(fn: Callable[..., Any], args: Sequence[Any], spec: _Rank, results
     if spec.ignore_sigint:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     if spec.log is not None:
-        _redirect_output(spec.log)
-        logging.basicConfig(
-            level=logging.INFO,
-            format=f"%(asctime)s rank {spec.rank} (pid %(process)d) %(name)s: %(message)s",
-            stream=sys.stderr,
-            force=True,
-        )
+        log_rank_output(spec.log, spec.rank)
     status = 1
     try:
         if spec.namespace is not None:
@@ -341,13 +335,21 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _redirect_output(log: Path) -> None:
+def log_rank_output(log: Path, rank: int) -> None:
+    """Send this rank process's stdout, stderr (file descriptors 1 and 2, so C++ output too) and INFO logging,
+    each line naming the rank and pid, to ``log`` (truncated)."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s rank {rank} (pid %(process)d) %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
 
 
 def _leave(results: mp.Queue, status: int) -> None:
