@@ -300,7 +300,8 @@ def write_outputs(
         writer = csv.DictWriter(stream, fieldnames=list(rows[0]) if rows else ["label"])
         writer.writeheader()
         writer.writerows(rows)
-    _plot(paths["plot.png"], runs[0], config, target, projection)
+    host_link = [None if s.host_link_mb_per_step is None else 1e6 * s.host_link_mb_per_step for s in summaries]
+    _plot(paths["plot.png"], runs[0], config, target, projection, host_link)
     return paths
 
 
@@ -317,7 +318,10 @@ def _plot(
     config: dict[str, Any],
     target: Target | None = None,
     projection: Projection | None = None,
+    host_link_bytes: Sequence[float | None] | None = None,
 ) -> None:
+    """``host_link_bytes``: per hook, the bytes per step that crossed the emulated hosts' link, which the
+    projection then moves (as the table's), or ``None``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -325,7 +329,7 @@ def _plot(
 
     figure, (by_step, by_bytes, by_time) = plt.subplots(1, 3, figsize=(18, 4.5))
     ylabel = f"training loss (EMA {EMA_DECAY:g})"
-    for run in rank_zero_runs:
+    for index, run in enumerate(rank_zero_runs):
         losses = smoothed(run["losses"])
         cumulative_mb = [total / 1e6 for total in itertools.accumulate(run["bytes_per_step"])]
         (line,) = by_step.plot(losses, label=run["label"])
@@ -333,7 +337,9 @@ def _plot(
         by_bytes.plot(cumulative_mb, losses, label=run["label"], color=color)
         by_time.plot(list(itertools.accumulate(run["step_seconds"])), losses, label=run["label"], color=color)
         if projection is not None:
-            seconds = list(itertools.accumulate(projected_step_seconds(run, projection.bps)))
+            crossing = host_link_bytes[index] if host_link_bytes else None
+            step_wire = None if crossing is None else [crossing] * len(losses)
+            seconds = list(itertools.accumulate(projected_step_seconds(run, projection.bps, step_wire)))
             by_time.plot(seconds, losses, color=color, linestyle="--")
     by_step.set(xlabel="step", ylabel=ylabel, title="loss against step")
     by_bytes.set(
@@ -345,10 +351,12 @@ def _plot(
     by_time.set(xlabel="wall-clock seconds (rank 0, warm-up included)", ylabel=ylabel, title=time_title)
     if target is not None and math.isfinite(target.loss):
         by_time.axhline(target.loss, color="grey", linestyle=":", linewidth=1, label=f"target {target.loss:.4g}")
-        by_time.legend()
-    by_step.legend()
+    # one legend under the panels: hook labels with options are too long to sit inside a panel
+    handles, labels = by_time.get_legend_handles_labels()
+    rows = math.ceil(len(labels) / 3)
+    figure.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize="small", frameon=False)
     figure.suptitle(f"gradcomm bench: {config.get('workload')} on {config.get('world_size')} ranks"
                     + (f" at {config['bandwidth']}" if config.get("bandwidth") else ""))
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, min(0.4, 0.06 * rows), 1, 1))
     figure.savefig(path, dpi=110)
     plt.close(figure)
