@@ -27,8 +27,6 @@ in the hosts) and removes the namespaces; a torchrun whose parent dies gets SIGT
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 import re
@@ -40,7 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gradcomm.testing.network import HostNetwork
-from gradcomm.testing.processes import log_rank_output
+from gradcomm.testing.processes import log_rank_output, set_parent_death_signal
 
 __all__ = ["HOST_LINK_ENV", "LOG_DIR_ENV", "HostsFailure", "redirect_rank_output", "run_hosts"]
 
@@ -56,7 +54,6 @@ LOG_DIR_ENV = "GRADCOMM_BENCH_LOG_DIR"
 RDZV_PORT = 29400  # torchrun's default for c10d; free in a fresh namespace
 _POLL_SECONDS = 0.2
 _STOP_SECONDS = 10.0  # for torchrun to end its ranks after SIGTERM, before everything left is killed
-_PR_SET_PDEATHSIG = 1
 
 
 class HostsFailure(RuntimeError):
@@ -207,19 +204,8 @@ def _stop(procs: list[subprocess.Popen[bytes]], net: HostNetwork) -> None:
 
 
 def _terminate_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent dies (torchrun then ends its ranks).
-
-    libc is loaded by the parent (:data:`_LIBC`): between fork and exec the child runs nothing that could
-    wait for a lock another thread of the parent held.
-    """
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-
-try:
-    _LIBC: ctypes.CDLL | None = ctypes.CDLL(ctypes.util.find_library("c") or None)
-except OSError:  # no libc to load (not Linux): the parent's clean-up is all there is
-    _LIBC = None
+    """In the child, before exec: SIGTERM when the parent dies (torchrun then ends its ranks)."""
+    set_parent_death_signal(signal.SIGTERM)
 
 
 _ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)", re.MULTILINE)

@@ -33,6 +33,7 @@ __all__ = [
     "all_reduce",
     "all_to_all_single",
     "broadcast",
+    "bytes_by_kind",
     "collective_device",
     "counting_into",
     "group_size",
@@ -53,12 +54,9 @@ def _payload_bytes(tensor: torch.Tensor) -> int:
 
 @dataclass
 class Traffic:
-    """Bytes handed to collectives and number of collective calls, per collective kind, in this process.
+    """Bytes handed to collectives and number of collective calls in this process, by ``(collective kind,
+    group size)`` (:attr:`bytes_by_group`, what :func:`group_wire_bytes` needs) and, summed, by kind."""
 
-    ``bytes_by_group`` splits the same bytes by ``(kind, group size)``: what :func:`group_wire_bytes` needs.
-    """
-
-    bytes_sent: dict[str, int] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
     bytes_by_group: dict[tuple[str, int], int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -71,14 +69,17 @@ class Traffic:
         nbytes = sum(_payload_bytes(t) for t in tensors)
         key = (kind, group_size)
         with self._lock:
-            self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + nbytes
             self.calls[kind] = self.calls.get(kind, 0) + 1
             self.bytes_by_group[key] = self.bytes_by_group.get(key, 0) + nbytes
 
+    @property
+    def bytes_sent(self) -> dict[str, int]:
+        """Bytes per collective kind so far (a new dict)."""
+        return bytes_by_kind(self.snapshot_by_group())
+
     def snapshot(self) -> dict[str, int]:
         """Bytes per collective kind so far (a copy)."""
-        with self._lock:
-            return dict(self.bytes_sent)
+        return self.bytes_sent
 
     def snapshot_by_group(self) -> dict[tuple[str, int], int]:
         """Bytes per ``(collective kind, group size)`` so far (a copy)."""
@@ -87,7 +88,7 @@ class Traffic:
 
     @property
     def total_bytes(self) -> int:
-        return sum(self.bytes_sent.values())
+        return sum(self.snapshot_by_group().values())
 
     @property
     def total_calls(self) -> int:
@@ -100,9 +101,16 @@ class Traffic:
 
     def reset(self) -> None:
         with self._lock:
-            self.bytes_sent.clear()
             self.calls.clear()
             self.bytes_by_group.clear()
+
+
+def bytes_by_kind(bytes_by_group: Mapping[tuple[str, int], int]) -> dict[str, int]:
+    """Bytes keyed by ``(collective kind, group size)`` summed per kind."""
+    summed: dict[str, int] = {}
+    for (kind, _), nbytes in bytes_by_group.items():
+        summed[kind] = summed.get(kind, 0) + nbytes
+    return summed
 
 
 T = TypeVar("T")

@@ -109,9 +109,7 @@ class CommStats:
     """The hook state's own report (``state.comm_stats_details()``, where it has one), as of the last step."""
     details_source: Callable[[], dict[str, object]] | None = field(default=None, repr=False)
     _current: StepStats | None = field(default=None, repr=False)
-    _traffic_at_start: tuple[dict[str, int], dict[tuple[str, int], int], int] = field(
-        default=({}, {}, 0), repr=False
-    )
+    _traffic_at_start: tuple[dict[tuple[str, int], int], int] = field(default=({}, 0), repr=False)
     _error_sums: list[float] = field(default_factory=lambda: [0.0, 0.0], repr=False)
     _error_steps: int = field(default=0, repr=False)
     _inputs: dict[int, tuple[torch.Tensor, bool]] = field(default_factory=dict, repr=False)
@@ -129,9 +127,7 @@ class CommStats:
     # -- recording, called by the reducers -------------------------------------------------------------
     def begin_step(self) -> None:
         self._current = StepStats(steps=1)
-        self._traffic_at_start = (
-            self.traffic.snapshot(), self.traffic.snapshot_by_group(), self.traffic.total_calls
-        )
+        self._traffic_at_start = (self.traffic.snapshot_by_group(), self.traffic.total_calls)
         self._error_sums = [0.0, 0.0]
         self._inputs.clear()
 
@@ -170,11 +166,12 @@ class CommStats:
         step, self._current = self._current, None
         if step is None:
             return
-        before, before_by_group, calls_before = self._traffic_at_start
-        step.bytes_by_kind = _difference(self.traffic.snapshot(), before)
+        before, calls_before = self._traffic_at_start
+        sent = _difference(self.traffic.snapshot_by_group(), before)
+        step.bytes_by_kind = comm.bytes_by_kind(sent)
         step.bytes_sent = sum(step.bytes_by_kind.values())
         step.collective_calls = self.traffic.total_calls - calls_before
-        step.wire_bytes = comm.group_wire_bytes(_difference(self.traffic.snapshot_by_group(), before_by_group))
+        step.wire_bytes = comm.group_wire_bytes(sent)
         group_size = comm.group_size(self.group) if dist.is_initialized() else 1
         step.dense_wire_bytes = comm.wire_bytes({"all_reduce": step.dense_bytes}, group_size)
         if self.measure_error:

@@ -27,7 +27,8 @@ step boundary, before the step's first bucket is handed on, and identically on e
      trial's link and extrapolates to another (where the network explains the whole step time, as for
      allreduce on a slow link, the least compute measured among the candidates is used);
    * *bytes on the wire* and *collective calls*: what it handed to :mod:`gradcomm.comm` during the step
-     (wire bytes by :func:`gradcomm.comm.wire_bytes`); hooks that bypass ``gradcomm.comm`` count 0;
+     (wire bytes by :func:`gradcomm.comm.group_wire_bytes`, each collective at its group's size); hooks that
+     bypass ``gradcomm.comm`` count 0;
    * its *error*: the relative error of its accumulated update, ``‖Σ(result − exact)‖ / ‖Σ exact‖`` over
      all its trial steps, where ``exact`` is the true average from a second, uncounted allreduce of a strided
      sample of each gradient (at most 1024 elements per parameter, so the pass costs little even on a slow
@@ -251,7 +252,7 @@ class AutoHookState(HookState):
         self._open = False
         self._window: tuple[int, float] | None = None
         self._overhead = 0.0
-        self._traffic_before: tuple[dict[str, int], int] = ({}, 0)
+        self._traffic_before: tuple[dict[tuple[str, int], int], int] = ({}, 0)
         self._pending: list[tuple[list[int], list[int], list[torch.Tensor], list[int], torch.futures.Future]] = []
 
     def comm_hook_fingerprint(self) -> str:
@@ -291,14 +292,15 @@ class AutoHookState(HookState):
         if world == 1:
             return Link(0.0, math.inf)
         sizes = list(_PROBE_BYTES)
+        wire = [comm.wire_bytes({"all_reduce": n}, world) for n in sizes]
         seconds = self._agree([self._time_allreduce(size) for size in sizes])
-        first = _fit([comm.wire_bytes({"all_reduce": n}, world) for n in sizes], seconds)
+        first = _fit(wire, seconds)
         if math.isfinite(first.bandwidth):
             large = int(min(max(first.bandwidth * _PROBE_SECONDS, 1 << 20), _PROBE_MAX_BYTES)) // 4 * 4
             if large > 2 * sizes[-1]:
-                sizes.append(large)
+                wire.append(comm.wire_bytes({"all_reduce": large}, world))
                 seconds += self._agree([self._time_allreduce(large)])
-        return _fit([comm.wire_bytes({"all_reduce": n}, world) for n in sizes], seconds)
+        return _fit(wire, seconds)
 
     def _time_allreduce(self, size: int) -> float:
         """The fastest of :data:`_PROBE_REPEATS` allreduces of ``size`` bytes on the group (uncounted)."""
@@ -340,7 +342,7 @@ class AutoHookState(HookState):
             self._advance_trial()
         if self.trialing:
             self._window = (self.active, time.perf_counter())
-            self._traffic_before = (comm.traffic.snapshot(), comm.traffic.total_calls)
+            self._traffic_before = (comm.traffic.snapshot_by_group(), comm.traffic.total_calls)
 
     def _advance_trial(self) -> None:
         if not self._schedule:
@@ -480,11 +482,11 @@ class AutoHookState(HookState):
             results.append(value[0] if isinstance(value, list) else value)
         start = time.perf_counter()
         before, calls_before = self._traffic_before
-        after = comm.traffic.snapshot()
-        sent = {kind: n - before.get(kind, 0) for kind, n in after.items() if n != before.get(kind, 0)}
+        after = comm.traffic.snapshot_by_group()
+        sent = {key: n - before.get(key, 0) for key, n in after.items()}
         figures = self._figures[self.active]
         figures.calls = comm.traffic.total_calls - calls_before
-        figures.wire_bytes = comm.wire_bytes(sent, comm.group_size(self.process_group))
+        figures.wire_bytes = comm.group_wire_bytes(sent)
         if pending:
             inputs = torch.cat([s.reshape(-1).float() for _, _, samples, _, _ in pending for s in samples])
             dist.all_reduce(inputs, group=self.process_group)  # not through gradcomm.comm: not hook traffic

@@ -29,6 +29,7 @@ __all__ = [
     "CommHookTypeError",
     "call_hook",
     "check_hook",
+    "declares_replicas_may_differ",
     "hook_name",
     "hook_result",
     "replicas_may_differ",
@@ -226,17 +227,27 @@ def replicas_may_differ(hook: CommHook | None, state: Any) -> bool:
     averager checks right after it averages instead. A wrapper (``fp16_compress_wrapper(hook)``) inherits
     the declaration of the hook it wraps. torch's ``noop_hook`` and ``post_localSGD_hook`` are known.
     """
-    if hook is None:
-        return False
+    declared = None if hook is None else _declaration(hook)
+    return declared is not None and bool(declared(state))
+
+
+def declares_replicas_may_differ(hook: CommHook) -> bool:
+    """Whether ``hook`` (or the hook it wraps) declares that it may leave replicas different, at any iteration
+    (see :func:`replicas_may_differ`)."""
+    return _declaration(hook) is not None
+
+
+def _declaration(hook: Any) -> Callable[[Any], bool] | None:
+    """The ``replicas_may_differ`` predicate of ``hook``, of torch's hook it is, or of a hook it wraps."""
     while isinstance(hook, functools.partial):
         hook = hook.func
     declared = getattr(hook, "replicas_may_differ", None)
     if declared is None:
         declared = _torch_declarations().get(hook)
     if declared is None:
-        wrapped = [value for value in _closure_values(hook) if callable(value) and value is not hook]
-        return any(replicas_may_differ(inner, state) for inner in wrapped)
-    return bool(declared(state))
+        wrapped = (value for value in _closure_values(hook) if callable(value) and value is not hook)
+        declared = next((d for d in map(_declaration, wrapped) if d is not None), None)
+    return declared
 
 
 def _closure_values(function: Any) -> list[Any]:

@@ -46,6 +46,7 @@ __all__ = [
     "bf16_compress_wrapper",
     "fp16_compress_hook",
     "fp16_compress_wrapper",
+    "mean_allreduce",
 ]
 
 def _scale_to_mean(tensor: torch.Tensor, process_group: ProcessGroup | None) -> torch.Tensor:
@@ -70,7 +71,13 @@ def allreduce_hook(
 
         >>> ddp_model.register_comm_hook(process_group, allreduce_hook)
     """
-    return comm.all_reduce(_scale_to_mean(bucket.buffer(), process_group), process_group)
+    return mean_allreduce(bucket.buffer(), process_group)
+
+
+def mean_allreduce(tensor: torch.Tensor, process_group: ProcessGroup | None) -> torch.futures.Future[torch.Tensor]:
+    """Average ``tensor`` in place over ``process_group`` with one allreduce, scaled first as DDP does (what
+    :func:`allreduce_hook` does to a bucket; other hooks use it on a part of theirs)."""
+    return comm.all_reduce(_scale_to_mean(tensor, process_group), process_group)
 
 
 def _compress_hook(

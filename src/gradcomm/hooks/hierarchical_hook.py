@@ -82,7 +82,8 @@ from torch.distributed import ProcessGroup
 from gradcomm import comm
 from gradcomm.comm.faults import process_group_timeout
 from gradcomm.comm.launcher import OrderedLauncher
-from gradcomm.hooks.contract import _torch_declarations, check_hook, hook_name
+from gradcomm.hooks.contract import check_hook, declares_replicas_may_differ, hook_name
+from gradcomm.hooks.default_hooks import mean_allreduce
 from gradcomm.hooks.hook_state import _GROUP_RANKS_KEY, HookState
 
 logger = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ class HierarchicalState(HookState):
                 "HierarchicalState: the inner hook cannot be hierarchical_hook itself; nodes within nodes are "
                 "not supported: pass the hook to run among the node leaders (e.g. powerSGD_hook)"
             )
-        if getattr(unwrapped, "replicas_may_differ", None) is not None or unwrapped in _torch_declarations():
+        if declares_replicas_may_differ(inner_hook):
             raise ValueError(
                 f"HierarchicalState: inner hook {name} leaves replicas different on purpose "
                 "(replicas_may_differ), but hierarchical averaging broadcasts the leaders' result as the "
@@ -432,12 +433,6 @@ def _agreed_ranks_per_node(explicit: int | None, rank: int, world_size: int, gro
     return mine
 
 
-def _node_mean(buffer: torch.Tensor, group: ProcessGroup | None) -> torch.futures.Future[torch.Tensor]:
-    """Average ``buffer`` in place over ``group``, dividing first (as torch's allreduce hook does)."""
-    buffer.div_(comm.group_size(group))
-    return comm.all_reduce(buffer, group)
-
-
 def _result_tensor(value: Any, buffer: torch.Tensor, name: str, index: int) -> torch.Tensor:
     """The inner hook's result as a tensor like ``buffer``, to broadcast; refuses one of another size."""
     if isinstance(value, (list, tuple)) and len(value) == 1:
@@ -463,13 +458,13 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
     if topology.ranks_per_node == 1:
         return state.run_inner(bucket)
     if topology.nodes == 1:
-        return _node_mean(buffer, state.process_group)
+        return mean_allreduce(buffer, state.process_group)
     if buffer.is_sparse:
         raise ValueError(
             f"hierarchical_hook: bucket {bucket.index()} is sparse (nn.Embedding(sparse=True)); a sparse gradient "
             "cannot be broadcast within a node. Use dense gradients, or register no hook"
         )
-    node_mean = _node_mean(buffer, topology.reduce_group)
+    node_mean = mean_allreduce(buffer, topology.reduce_group)
     leader, group, device = topology.leader, topology.broadcast_group, buffer.device
     if not topology.is_leader:
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["Cause", "Outcome", "free_port", "launch", "log_rank_output"]
+__all__ = ["Cause", "Outcome", "free_port", "launch", "log_rank_output", "set_parent_death_signal"]
 
 _POLL_SECONDS = 0.05
 _GRACE_SECONDS = 3.0  # for the peers of a failed rank to fail in turn and report why
@@ -326,13 +326,30 @@ def _die_with_parent(parent_pid: int) -> None:
 
     Where prctl is missing (not Linux) the parent's clean-up is all there is.
     """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:
+    if set_parent_death_signal(signal.SIGKILL) and os.getppid() != parent_pid:
         os._exit(1)
+
+
+def set_parent_death_signal(signum: int) -> bool:
+    """Have the kernel send ``signum`` to this process when the thread that started it ends (``prctl``'s
+    ``PR_SET_PDEATHSIG``); ``False`` where there is no prctl (not Linux).
+
+    libc is loaded when this module is imported, so that this is safe between fork and exec (a
+    ``preexec_fn``): it calls nothing that could wait for a lock another thread of the parent held.
+    """
+    if _LIBC is None:
+        return False
+    try:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
+    except AttributeError:
+        return False
+    return True
+
+
+try:
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+except OSError:
+    _LIBC = None
 
 
 def log_rank_output(log: Path, rank: int) -> None:
