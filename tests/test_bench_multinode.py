@@ -179,10 +179,7 @@ def test_two_hosts_of_two_ranks_measure_the_host_links(tmp_path: Path, privilege
 @pytest.mark.timeout(300)
 def test_a_killed_rank_ends_both_torchruns_and_the_namespaces(tmp_path: Path, privileged: None) -> None:
     output = tmp_path / "run"
-    bench = subprocess.Popen(
-        _bench(output, "--steps", "100000"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )
+    bench = _endless_bench(output)
     try:
         victim = _wait_until_training(bench, output / "logs" / "rank3.log", rank=3)
         ours = [name for name in _netns_names() if name.startswith(f"gc{bench.pid}-")]
@@ -201,6 +198,14 @@ def test_a_killed_rank_ends_both_torchruns_and_the_namespaces(tmp_path: Path, pr
     ), err
     assert left == [], "torchrun or rank processes outlived the failed run"
     assert [name for name in _netns_names() if name.startswith(f"gc{bench.pid}-")] == []
+
+
+def _endless_bench(output: Path) -> subprocess.Popen:
+    """A 2x2 bench that trains until stopped, in its own session (Ctrl-C to it reaches it alone); stderr piped."""
+    return subprocess.Popen(
+        _bench(output, "--steps", "100000"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )
 
 
 def _end(bench: subprocess.Popen | None, output: Path, group: bool = False) -> list[int]:
@@ -235,10 +240,7 @@ def _wait_until_training(bench: subprocess.Popen, log: Path, rank: int, within: 
 def test_ctrl_c_ends_both_torchruns_and_the_namespaces(tmp_path: Path, privileged: None) -> None:
     """SIGINT reaches the parent alone (each torchrun has its own session); it stops them and their ranks."""
     output = tmp_path / "run"
-    bench = subprocess.Popen(
-        _bench(output, "--steps", "100000"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )
+    bench = _endless_bench(output)
     try:
         _wait_until_training(bench, output / "logs" / "rank0.log", rank=0)
         os.killpg(bench.pid, signal.SIGINT)
