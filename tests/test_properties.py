@@ -4,7 +4,7 @@ For every hook in the registry (``hook_names()``: a new hook is covered without 
 random models from :mod:`tests.property_models` (0-dim scalars used multiplicatively, ``[1]``, ``[1, n]``,
 ``[n, 1]``, 3-D and 4-D convolution kernels, float64 beside float32, frozen and tied parameters, a matrix
 larger than the bucket cap, gradients with a zero column, row or everywhere), random bucket caps (0.0001 MB
-to ``None``), ``gradient_as_bucket_view`` on or off, random hook options, sometimes the registry's fp16 or
+to ``None``), ``gradient_as_bucket_view`` on, off or default (``None``), random hook options, sometimes the fp16 or
 bf16 wrapper around the hook, and 3 to 5 SGD steps (with or without momentum), after every synchronised step:
 
 (a) the replicas are bit-identical: the exact bytes of every parameter, and of every averaged gradient,
@@ -276,7 +276,7 @@ class Case:
     options: tuple[tuple[str, Any], ...]
     steps: int
     momentum: float
-    bucket_view: bool = False
+    bucket_view: bool | None = None
     wrapper: str | None = None
 
     def describe(self) -> str:
@@ -295,7 +295,8 @@ def cases(draw: st.DrawFn, hook: str) -> Case:
     steps = draw(st.integers(3, 5))
     momentum = draw(st.sampled_from([0.0, 0.9]))
     wrapper = draw(st.sampled_from([None, None, *WRAPPER_TOLERANCE]))
-    return Case(spec, cap, tuple(sorted(options.items())), steps, momentum, draw(st.booleans()), wrapper)
+    bucket_view = draw(st.sampled_from([None, True, False]))
+    return Case(spec, cap, tuple(sorted(options.items())), steps, momentum, bucket_view, wrapper)
 
 
 def explicit_case(hook: str, bucket_cap_mb: float) -> Case:

@@ -8,6 +8,7 @@ after the first iteration) and grouped by dtype and device, since a bucket is on
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -123,25 +124,78 @@ def assign_buckets(
     return closed
 
 
+def _references(views: list[torch.Tensor], k: int) -> int:
+    """``sys.getrefcount`` of ``views[k]``: compared with :data:`_UNHELD_VIEW_REFS`, measured the same way on
+    a tensor held by nothing but its list (the absolute count is an interpreter detail)."""
+    return sys.getrefcount(views[k])
+
+
+_UNHELD_VIEW_REFS = _references([torch.empty(0)], 0)
+
+
+def _storage_refs(tensor: torch.Tensor) -> int:
+    """How many tensors (views, ``.data`` aliases) share ``tensor``'s memory."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
 class Bucket:
-    """A flat gradient buffer for some parameters, with one view per parameter."""
+    """A flat gradient buffer for some parameters, with one view per parameter.
+
+    ``grads_are_views``: the parameters' ``.grad`` are made views of the buffer (no copy back after the
+    reduction). Where that is only the default, not asked for (``gradient_as_bucket_view=None``), the reducer
+    asks :meth:`seen_by_user` before the first write of a step and :meth:`renew` s the buffer if the user
+    still holds a ``.grad`` of the last step, so that it keeps its values as with torch's copies.
+    """
 
     sparse = False
 
-    def __init__(self, index: int, param_indices: list[int], params: Sequence[torch.nn.Parameter], is_last: bool):
+    def __init__(
+        self,
+        index: int,
+        param_indices: list[int],
+        params: Sequence[torch.nn.Parameter],
+        is_last: bool,
+        grads_are_views: bool = False,
+    ):
         members = [params[i] for i in param_indices]
         self.index = index
         self.param_indices = param_indices
         self.params = members
         self.is_last = is_last
+        self.grads_are_views = grads_are_views
         self.lengths = [p.numel() for p in members]
         self.offsets = [sum(self.lengths[:k]) for k in range(len(members))]
         self.shapes = [p.shape for p in members]
-        self.buffer = torch.zeros(sum(self.lengths), dtype=members[0].dtype, device=members[0].device)
+        self._handed_out_refs: int | None = None
+        self.renew()
+
+    def renew(self) -> None:
+        """Give the bucket fresh memory (zeros) and views; the old buffer is left to whoever holds it."""
+        first = self.params[0]
+        self.buffer = torch.zeros(sum(self.lengths), dtype=first.dtype, device=first.device)
         self.views = [
             self.buffer[offset : offset + length].view(shape)
             for offset, length, shape in zip(self.offsets, self.lengths, self.shapes, strict=True)
         ]
+        self._handed_out_refs = None
+
+    def handed_out(self) -> None:
+        """Note that the views are now the parameters' ``.grad`` (the end of a synchronised step)."""
+        self._handed_out_refs = _storage_refs(self.buffer)
+
+    def seen_by_user(self) -> bool:
+        """Whether a ``.grad`` handed out at the last step is still held although it is no longer the
+        parameter's ``.grad`` (the optimizer's ``zero_grad`` set it to ``None``), or an alias of the buffer
+        (``.grad.data``, a view of ``.grad``) was taken since: writing into the buffer would change it."""
+        if self._handed_out_refs is None:
+            return False
+        if _storage_refs(self.buffer) > self._handed_out_refs:
+            return True
+        views = self.views
+        for k, param in enumerate(self.params):
+            if param.grad is not views[k] and _references(views, k) > _UNHELD_VIEW_REFS:
+                return True
+        return False
 
     def grad_bucket(self, buffer: torch.Tensor | None = None) -> GradBucket:
         """A fresh hook-facing view of this bucket (``set_buffer`` on it must not outlive the iteration);

@@ -146,7 +146,14 @@ class DistributedDataParallel(TorchDDPSurface):
         find_unused_parameters: traverse the autograd graph from the forward output each iteration and treat
             parameters it does not reach as ready (costs a graph traversal and a small allreduce).
         check_reduction: deprecated no-op, as in torch (a ``FutureWarning`` when true).
-        gradient_as_bucket_view: make each ``.grad`` a view into its bucket, saving one gradient-sized copy.
+        gradient_as_bucket_view: ``True``: each ``.grad`` is a view into its bucket, as torch's option (no copy
+            back after the reduction, one gradient-sized buffer less). ``False``: ``.grad`` are separate
+            tensors the reduced buckets are copied into, as torch's default. ``None`` (the default): views
+            where nothing a user sees changes: contiguous dense parameters, and a ``.grad`` the user still
+            holds after ``zero_grad()`` (or a ``.data`` alias or view of it) keeps its values, since its
+            bucket then gets new memory before the next step writes into it. The difference from ``False``
+            that remains visible: ``.grad`` is a view (``._base`` is the bucket, ``torch.save`` of a lone
+            ``.grad`` stores the bucket). Pass ``False`` for torch's default exactly.
         static_graph: the same parameters are used in every iteration. The first iteration finds those without
             a gradient at the end of backward (no ``find_unused_parameters`` needed); later ones mark them
             ready at once, without a graph search or the used-map allreduce, and leave the ``.grad`` of
@@ -189,7 +196,7 @@ class DistributedDataParallel(TorchDDPSurface):
         bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
-        gradient_as_bucket_view: bool = False,
+        gradient_as_bucket_view: bool | None = None,
         static_graph: bool = False,
         delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
         param_to_hook_all_reduce: nn.Parameter | None = None,

@@ -68,7 +68,7 @@ class Reducer(ReducerSurface):
         process_group: ProcessGroup | None,
         bucket_cap_mb: float | None,
         find_unused_parameters: bool,
-        gradient_as_bucket_view: bool,
+        gradient_as_bucket_view: bool | None,
         check_finite: bool = False,
         settings: dict[str, str] | None = None,
         *,
@@ -85,6 +85,8 @@ class Reducer(ReducerSurface):
         self._bucket_caps = list(bucket_caps) if bucket_caps else None
         self._sparse = list(sparse) if sparse is not None and any(sparse) else None
         self._find_unused = find_unused_parameters
+        # True: .grad are bucket views (torch's option); None: views where safe (the default, see
+        # _build_buckets and _mark_ready); False: .grad are copies, as torch's default
         self._as_view = gradient_as_bucket_view
         self._check_finite = check_finite
         # what every rank must agree on besides the hook and the buckets (the DDP's options that add collectives)
@@ -232,28 +234,38 @@ class Reducer(ReducerSurface):
         self._buckets: list[Bucket | SparseBucket] = [
             SparseBucket(index, indices[0], self._params, index == last)
             if self._sparse and self._sparse[indices[0]]
-            else Bucket(index, indices, self._params, index == last)
+            else Bucket(index, indices, self._params, index == last, self._grads_as_views(indices))
             for index, indices in enumerate(groups)
         ]
-        self._location: list[tuple[Any, Any]] = [None] * len(self._params)  # type: ignore[list-item]
+        # each parameter's bucket and position in it (not its view: see Bucket.seen_by_user)
+        self._location: list[tuple[Any, int]] = [None] * len(self._params)  # type: ignore[list-item]
         for bucket in self._buckets:
-            views = [None] if bucket.sparse else bucket.views
-            for index, view in zip(bucket.param_indices, views, strict=True):
-                self._location[index] = (bucket, view)
+            for position, index in enumerate(bucket.param_indices):
+                self._location[index] = (bucket, position)
+
+    def _grads_as_views(self, indices: list[int]) -> bool:
+        """Whether these parameters' ``.grad`` become views of their bucket. By default (``None``) only where
+        that changes nothing a user sees: dense, contiguous parameters (a view is contiguous, where torch's
+        copy keeps the parameter's memory format); held ``.grad`` are protected in :meth:`_mark_ready`."""
+        if self._as_view is None:
+            return all(self._params[i].is_contiguous() for i in indices)
+        return self._as_view
 
     def _rebuild_in_order(self, ready_order: list[int], broadcast: bool = True, source_rank: int = 0) -> None:
         order = torch.tensor(ready_order, dtype=torch.int64)
         if broadcast:  # one rank's order (rank 0's), so that every rank has the same buckets
             src = dist.get_global_rank(self._group or dist.group.WORLD, source_rank)
             dist.broadcast(order, src=src, group=self._group)
-        old_grads = [p.grad for p in self._params] if self._as_view else []
+        old_grads = [p.grad for p in self._params] if self._as_view is not False else []
         self._build_buckets(order.tolist())
         self._has_rebuilt = True
         for index, grad in enumerate(old_grads):
-            view = self._location[index][1]
-            if grad is not None and view is not None:
+            bucket, position = self._location[index]
+            if grad is not None and bucket.grads_are_views:
+                view = bucket.views[position]
                 view.copy_(grad)
                 self._params[index].grad = view
+                bucket.handed_out()
         self._reset_iteration()
         logger.debug("rebuilt %d buckets in gradient-ready order", len(self._buckets))
 
@@ -295,7 +307,10 @@ class Reducer(ReducerSurface):
         self._ready[index] = 1
         if not self._rebuild_done:
             self._ready_order.append(index)
-        bucket, view = self._location[index]
+        bucket, position = self._location[index]
+        if self._as_view is None and self._pending[bucket.index] == len(bucket.views):
+            self._protect_handed_out(bucket)
+        view = bucket.views[position]
         param = self._params[index]
         grad = param.grad
         if grad is None:
@@ -308,11 +323,19 @@ class Reducer(ReducerSurface):
                 torch.mul(grad, self._scale, out=view)  # as torch: pre-divide each gradient, then sum
             elif not in_bucket:
                 view.copy_(grad)
-            if self._as_view and not in_bucket:
+            if bucket.grads_are_views and not in_bucket:
                 param.grad = view
         self._pending[bucket.index] -= 1
         if self._pending[bucket.index] == 0:
             self._launch_ready_buckets()
+
+    def _protect_handed_out(self, bucket: Bucket) -> None:
+        """Before a step's first write into ``bucket``: if the user still holds one of last step's ``.grad``
+        (views of it), give the bucket new memory, so that what they hold keeps its values, as with torch's
+        copies."""
+        if bucket.seen_by_user():
+            bucket.renew()
+            logger.debug("bucket %d: a .grad of the last step is still held; the bucket gets new memory", bucket.index)
 
     def _graph_gradient_value(self, grad: torch.Tensor) -> torch.Tensor:
         """``backward(create_graph=True)``: as torch, the bucket takes the gradient's value, outside the graph
@@ -405,22 +428,7 @@ class Reducer(ReducerSurface):
         step = self._synced_backwards
         peer_lost = False
         try:
-            results = [
-                self._runner.result(future, bucket.index, bucket.buffer, step)
-                for bucket, future in zip(self._buckets, self._futures, strict=True)
-            ]
-            globally_used = self._after_last_bucket(step, results, self._locally_used)
-            globally_used = self._static.after_step(self._locally_used, globally_used)
-            if self._locally_used is not None:
-                self._locally_used.zero_()
-            for bucket, result in zip(self._buckets, results, strict=True):
-                if bucket.sparse:
-                    if globally_used is None or globally_used[bucket.param_indices[0]]:
-                        bucket.write(result)
-                    continue
-                if not same_tensor(result, bucket.buffer):
-                    bucket.buffer.copy_(result)
-                self._write_gradients(bucket, globally_used)
+            self._write_results(step)
             self.stats.end_step()
             self._synced_backwards += 1
             if not self._rebuild_done:
@@ -434,6 +442,28 @@ class Reducer(ReducerSurface):
             if not peer_lost:  # after a lost peer the remaining collectives can only time out one by one
                 self._drain_futures()
             self._futures = [None] * len(self._buckets)
+        for bucket in self._buckets:  # only now: the futures' values may have been further views of the buffer
+            if bucket.grads_are_views:
+                bucket.handed_out()
+
+    def _write_results(self, step: int) -> None:
+        """Wait for every bucket's future, run the collectives after the last bucket, write ``.grad``."""
+        results = [
+            self._runner.result(future, bucket.index, bucket.buffer, step)
+            for bucket, future in zip(self._buckets, self._futures, strict=True)
+        ]
+        globally_used = self._after_last_bucket(step, results, self._locally_used)
+        globally_used = self._static.after_step(self._locally_used, globally_used)
+        if self._locally_used is not None:
+            self._locally_used.zero_()
+        for bucket, result in zip(self._buckets, results, strict=True):
+            if bucket.sparse:
+                if globally_used is None or globally_used[bucket.param_indices[0]]:
+                    bucket.write(result)
+                continue
+            if not same_tensor(result, bucket.buffer):
+                bucket.buffer.copy_(result)
+            self._write_gradients(bucket, globally_used)
 
     def shadow_backward(self) -> None:
         """A joined rank's part in a step it has no input for: the hook on zero buckets, in bucket order.
@@ -490,7 +520,7 @@ class Reducer(ReducerSurface):
             used = [k for k, index in enumerate(bucket.param_indices) if globally_used[index]]
             params, views = [params[k] for k in used], [views[k] for k in used]
         grads = [param.grad for param in params]
-        if self._as_view:
+        if bucket.grads_are_views:
             for param, grad, view in zip(params, grads, views, strict=True):
                 if grad is not view and (grad is None or not same_tensor(grad, view)):
                     param.grad = view

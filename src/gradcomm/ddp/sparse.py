@@ -66,6 +66,7 @@ class SparseBucket:
     """A bucket of one parameter with a sparse gradient; its :attr:`buffer` is that gradient this iteration."""
 
     sparse = True
+    grads_are_views = False
 
     def __init__(self, index: int, param_index: int, params: Sequence[nn.Parameter], is_last: bool) -> None:
         param = params[param_index]

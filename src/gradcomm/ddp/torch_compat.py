@@ -72,8 +72,8 @@ _UNSUPPORTED_ARGUMENTS: dict[str, tuple[Any, str]] = {
     ),
     "batched_grad_copy": (
         False,
-        "leave it False; gradcomm copies each gradient into its bucket as it becomes ready (or use "
-        "gradient_as_bucket_view=True to avoid the copy)",
+        "leave it False; gradcomm copies each gradient into its bucket as it becomes ready, and by default "
+        "(gradient_as_bucket_view=None) makes .grad a view of the bucket, with no copy back",
     ),
 }
 
@@ -155,7 +155,7 @@ class TorchDDPSurface(TorchDDP):
             "bucket_cap_bytes": self.bucket_bytes_cap,
             "bucket_sizes": ", ".join(map(str, sizes)),
             "find_unused_parameters": int(self.find_unused_parameters),
-            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+            "gradient_as_bucket_view": int(self.gradient_as_bucket_view is not False),
             "broadcast_buffers": int(self.forward_sync_buffers),
             "static_graph": int(self.static_graph),
             "has_sync_bn": int(any(isinstance(m, nn.SyncBatchNorm) for m in self.module.modules())),
