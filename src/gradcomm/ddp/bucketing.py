@@ -197,6 +197,29 @@ class Bucket:
                 return True
         return False
 
+    def write_gradients(self, globally_used: list[int] | None) -> None:
+        """Give the parameters their reduced gradients (the buffer, reduced): the views (``grads_are_views``) or
+        copies of them, into the existing ``.grad`` tensors with one call per bucket. A parameter no rank used
+        (``globally_used[index]`` false, with ``find_unused_parameters``) keeps its ``.grad``, as in torch."""
+        params, views = self.params, self.views
+        if globally_used is not None:
+            used = [k for k, index in enumerate(self.param_indices) if globally_used[index]]
+            params, views = [params[k] for k in used], [views[k] for k in used]
+        grads = [param.grad for param in params]
+        if self.grads_are_views:
+            for param, grad, view in zip(params, grads, views, strict=True):
+                if grad is not view and (grad is None or not same_tensor(grad, view)):
+                    param.grad = view
+            return
+        existing = [k for k, grad in enumerate(grads) if grad is not None]
+        if len(existing) < len(grads):
+            for k, (param, grad) in enumerate(zip(params, grads, strict=True)):
+                if grad is None:
+                    param.grad = views[k].clone()
+            grads, views = [grads[k] for k in existing], [views[k] for k in existing]
+        if grads:
+            torch._foreach_copy_(grads, views)
+
     def grad_bucket(self, buffer: torch.Tensor | None = None) -> GradBucket:
         """A fresh hook-facing view of this bucket (``set_buffer`` on it must not outlive the iteration);
         ``buffer`` replaces the bucket's own (a zero bucket for a joined rank's shadow step)."""

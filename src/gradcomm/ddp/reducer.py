@@ -463,7 +463,7 @@ class Reducer(ReducerSurface):
                 continue
             if not same_tensor(result, bucket.buffer):
                 bucket.buffer.copy_(result)
-            self._write_gradients(bucket, globally_used)
+            bucket.write_gradients(globally_used)
 
     def shadow_backward(self) -> None:
         """A joined rank's part in a step it has no input for: the hook on zero buckets, in bucket order.
@@ -511,28 +511,6 @@ class Reducer(ReducerSurface):
             for bucket, result in zip(self._buckets, results, strict=True):
                 self.stats.compare_result(bucket.index, result, self._group)
         return globally_used
-
-    def _write_gradients(self, bucket: Bucket, globally_used: list[int] | None) -> None:
-        """Give ``bucket``'s parameters their reduced gradients: the bucket's views (``gradient_as_bucket_view``)
-        or copies of them, into the existing ``.grad`` tensors with one call per bucket."""
-        params, views = bucket.params, bucket.views
-        if globally_used is not None:  # unused on every rank: .grad is left as it was, as torch does
-            used = [k for k, index in enumerate(bucket.param_indices) if globally_used[index]]
-            params, views = [params[k] for k in used], [views[k] for k in used]
-        grads = [param.grad for param in params]
-        if bucket.grads_are_views:
-            for param, grad, view in zip(params, grads, views, strict=True):
-                if grad is not view and (grad is None or not same_tensor(grad, view)):
-                    param.grad = view
-            return
-        existing = [k for k, grad in enumerate(grads) if grad is not None]
-        if len(existing) < len(grads):
-            for k, (param, grad) in enumerate(zip(params, grads, strict=True)):
-                if grad is None:
-                    param.grad = views[k].clone()
-            grads, views = [grads[k] for k in existing], [views[k] for k in existing]
-        if grads:
-            torch._foreach_copy_(grads, views)
 
     def _drain_futures(self) -> None:
         """Wait for every launched future so no collective outlives the iteration (errors already raised)."""
