@@ -152,6 +152,7 @@ def test_two_hosts_of_two_ranks_measure_the_host_links(tmp_path: Path, privilege
         document = json.loads((output / "results.json").read_text())
         assert document["config"]["world_size"] == 4
         assert (document["config"]["nodes"], document["config"]["procs_per_node"]) == (2, 2)
+        assert document["config"]["command"].split().count("--output") == 1, document["config"]["command"]
         runs = [ranks[0] for ranks in document["runs_by_rank"]]
         assert sorted(run["rank"] for run in runs) == [0, 1, 2, 3]
         readers = [run for run in runs if run["host_link_bytes"] is not None]
@@ -309,3 +310,9 @@ def test_a_killed_parent_s_torchruns_end_their_ranks_and_the_next_run_removes_it
     removed = remove_stale_networks()
     assert set(hosts_left) <= set(removed)
     assert [name for name in _netns_names() if name.startswith(f"gc{bench.pid}-")] == []
+
+
+def test_without_option_drops_the_option_and_its_value() -> None:
+    args = ["--nodes", "2", "--output", "a", "--steps", "3", "--output=b", "--outputs", "c"]
+    assert multinode.without_option(args, "--output") == ["--nodes", "2", "--steps", "3", "--outputs", "c"]
+

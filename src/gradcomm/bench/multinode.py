@@ -95,6 +95,20 @@ def torchrun_command(
     return net.exec_command(host, torchrun)
 
 
+def without_option(args: Sequence[str], option: str) -> list[str]:
+    """``args`` without ``option`` and its value (``--opt value`` or ``--opt=value``), wherever it occurs."""
+    kept: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(f"{option}="):
+            kept.append(arg)
+    return kept
+
+
 def run_hosts(
     bench_args: Sequence[str],
     *,
@@ -116,7 +130,7 @@ def run_hosts(
     output = output.resolve()
     log_dir = output / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    args = [*bench_args, "--output", str(output)]
+    args = [*without_option(bench_args, "--output"), "--output", str(output)]
     with HostNetwork(nodes, rate_bps, latency_s) as net:
         env = rank_environment(net, log_dir)
         rdzv_id = f"gradcomm-bench-{net.prefix}"
