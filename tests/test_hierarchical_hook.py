@@ -304,6 +304,10 @@ def test_registry_passes_inner_options_to_the_inner_entry() -> None:
     assert "compress_wrapper" in wrapped.inner_hook.__qualname__
     assert default_hooks.allreduce_hook in [cell.cell_contents for cell in wrapped.inner_hook.__closure__]
     assert check_options("hierarchical", inner="topk", ratio="0.1") == {"inner": "topk", "ratio": "0.1"}
+    # the ranks compare the inner hook through its wrapper: fp16 and bf16 around allreduce must differ
+    bf16 = make_comm_hook("hierarchical", inner="allreduce", inner_wrapper="bf16")[1]
+    assert "dtype=torch.float16" in wrapped.comm_hook_fingerprint()
+    assert wrapped.comm_hook_fingerprint() != bf16.comm_hook_fingerprint()
 
 
 @pytest.mark.parametrize(

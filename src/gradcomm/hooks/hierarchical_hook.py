@@ -186,8 +186,12 @@ class HierarchicalState(HookState):
     def comm_hook_fingerprint(self) -> str:
         """What the ranks must agree on (gradcomm's DDP compares it at registration): the inner hook, the
         topology and the inner state's options as built. Not the inner state's counters, which advance on the
-        leaders only (a state loaded from a checkpoint differs between leaders and the other ranks)."""
-        return f"HierarchicalState(inner={self.inner}, ranks_per_node={self.ranks_per_node}, inner state {self._inner_options})"
+        leaders only (a state loaded from a checkpoint differs between leaders and the other ranks). The inner
+        hook is described through its wrappers (``fp16_compress_wrapper(powerSGD_hook)`` names both)."""
+        from gradcomm.ddp.agreement import describe_hook  # the DDP side imports the hooks, not the reverse
+
+        inner = describe_hook(self.inner_hook)
+        return f"HierarchicalState(inner={inner}, ranks_per_node={self.ranks_per_node}, inner state {self._inner_options})"
 
     def _reset_runtime(self) -> None:
         self._topology: _Topology | None = None
