@@ -19,6 +19,7 @@ from torch import nn
 
 from gradcomm.ddp.checkpoint import load_checkpoint, save_checkpoint
 from gradcomm.hooks.auto_hook import AutoHookState, Link, auto_hook
+from gradcomm.hooks.link_model import fit_link
 from gradcomm.hooks.registry import (
     check_options,
     hook_names,
@@ -289,3 +290,13 @@ def test_a_trial_step_counts_the_wait_for_its_collectives() -> None:
     (it was subtracted once, which made bandwidth-bound candidates look as fast as their compute)."""
     out = run_on_ranks(_trial_step_time_includes_the_wait, world_size=1, timeout=100)[0]
     assert out["step_seconds"] == pytest.approx(10.0), out
+
+
+def test_link_fit_recovers_the_model_and_stays_physical() -> None:
+    wire = [4e3, 64e3, 1e6, 8e6]
+    fitted = fit_link(wire, [2e-4 + x / 1.25e8 for x in wire])
+    assert fitted.latency == pytest.approx(2e-4) and fitted.bandwidth == pytest.approx(1.25e8)
+    through_zero = fit_link(wire, [x / 1e8 - (1e-3 if x == wire[0] else 0.0) for x in wire])
+    assert through_zero.latency == 0.0 and through_zero.bandwidth > 0
+    flat = fit_link(wire, [1e-3, 1e-3, 1e-3, 1e-3])
+    assert flat == Link(1e-3, float("inf"))

@@ -11,11 +11,11 @@ unshaped loopback plain allreduce or fp16 does, because compression's own comput
 How it decides (steps are counted by the bucket for which ``is_last()`` holds; everything below happens at a
 step boundary, before the step's first bucket is handed on, and identically on every rank):
 
-1. *Link.* At the first step, and every ``remeasure_every`` steps, a few timed allreduces of 4 KiB, 64 KiB and
-   1 MiB, then one that takes about 30 ms at the bandwidth these suggest (1 to 16 MiB, so that a shaper's
-   burst allowance does not pass for bandwidth), are fitted to ``latency + wire bytes / bandwidth`` (the
-   fastest of two each, then the maximum over the ranks, so every rank has the same figures). On one rank
-   there is no link: latency 0, bandwidth infinite.
+1. *Link* (:mod:`gradcomm.hooks.link_model`). At the first step, and every ``remeasure_every`` steps, a
+   few timed allreduces of 4 KiB, 64 KiB and 1 MiB, then one that takes about 30 ms at the bandwidth these
+   suggest (1 to 16 MiB, so that a shaper's burst allowance does not pass for bandwidth), are fitted to
+   ``latency + wire bytes / bandwidth`` (the fastest of two each, then the maximum over the ranks, so every
+   rank has the same figures). On one rank there is no link: latency 0, bandwidth infinite.
 2. *Trial.* Every training step of the trial is a real step with one candidate doing the averaging, in
    round-robin passes over the candidates (``trial_steps`` passes). Per candidate it records
 
@@ -88,6 +88,7 @@ from torch.distributed import ProcessGroup
 from gradcomm import comm
 from gradcomm.hooks import registry
 from gradcomm.hooks.hook_state import HookState
+from gradcomm.hooks.link_model import Link, agree_max, measure_link
 
 __all__ = ["DEFAULT_CANDIDATES", "AutoHookState", "CandidateFigures", "Link", "auto_hook"]
 
@@ -97,32 +98,12 @@ DEFAULT_CANDIDATES = "fp16_compress+allreduce+powersgd:matrix_approximation_rank
 """Exact or nearly exact averaging in the run's first steps, which are the most sensitive to compression;
 PowerSGD compresses from the run's third step (``start_powerSGD_iter=2``), its first trial step."""
 
-_PROBE_BYTES = (4 << 10, 64 << 10, 1 << 20)
-_PROBE_REPEATS = 2
-_PROBE_SECONDS = 0.03
-_PROBE_MAX_BYTES = 16 << 20
 _SAMPLE_PER_PARAMETER = 1024
 _CUT_FACTOR = 1.5
 _REFUSED = {"auto": "auto cannot be its own candidate", "noop": "noop does not average gradients",
             "post_localsgd": "post_localsgd leaves the replicas different on purpose"}
 _KEPT_DECISIONS = 20
 _FORMAT = 1
-
-
-@dataclass(frozen=True)
-class Link:
-    """The link as the hook sees it: seconds per collective call and bytes per second on the wire."""
-
-    latency: float
-    bandwidth: float
-
-    def seconds(self, calls: float, wire_bytes: float) -> float:
-        """Predicted network time of ``calls`` collectives putting ``wire_bytes`` on each rank's link."""
-        return calls * self.latency + (wire_bytes / self.bandwidth if self.bandwidth > 0 else math.inf)
-
-    def describe(self) -> str:
-        rate = "unlimited" if math.isinf(self.bandwidth) else f"{8 * self.bandwidth / 1e6:.1f} Mbit/s"
-        return f"latency {1e3 * self.latency:.3f} ms, bandwidth {rate}"
 
 
 @dataclass
@@ -232,7 +213,7 @@ class AutoHookState(HookState):
         self.trial_steps = trial_steps
         self.remeasure_every = remeasure_every
         self.tie_tolerance = float(tie_tolerance)
-        self.measure_link: Callable[[], Link] = self._probe_link
+        self.measure_link: Callable[[], Link] = lambda: measure_link(self.process_group)
         """Measures the link (a collective); replaceable, e.g. by a test that simulates a slower link."""
         self._restart_trial()
         self.step = 0
@@ -279,52 +260,6 @@ class AutoHookState(HookState):
             state.iter = max(state.iter, self.step)
         self.active = index
 
-    # -- the link ----------------------------------------------------------------------------------------------
-    def _probe_link(self) -> Link:
-        """Time allreduces of a few sizes on the group and fit ``latency + wire bytes / bandwidth``.
-
-        The fixed sizes (4 KiB to 1 MiB) give a first fit; then one size that takes about
-        :data:`_PROBE_SECONDS` at that bandwidth (1 to 16 MiB) is timed too, so that a link shaper's burst
-        allowance or a collective's fixed cost does not pass for bandwidth. Every rank times the same sizes:
-        the second size follows from the first fit of times agreed over the ranks.
-        """
-        world = comm.group_size(self.process_group)
-        if world == 1:
-            return Link(0.0, math.inf)
-        sizes = list(_PROBE_BYTES)
-        wire = [comm.wire_bytes({"all_reduce": n}, world) for n in sizes]
-        seconds = self._agree([self._time_allreduce(size) for size in sizes])
-        first = _fit(wire, seconds)
-        if math.isfinite(first.bandwidth):
-            large = int(min(max(first.bandwidth * _PROBE_SECONDS, 1 << 20), _PROBE_MAX_BYTES)) // 4 * 4
-            if large > 2 * sizes[-1]:
-                wire.append(comm.wire_bytes({"all_reduce": large}, world))
-                seconds += self._agree([self._time_allreduce(large)])
-        return _fit(wire, seconds)
-
-    def _time_allreduce(self, size: int) -> float:
-        """The fastest of :data:`_PROBE_REPEATS` allreduces of ``size`` bytes on the group (uncounted)."""
-        device = comm.collective_device(self.process_group)
-        tensor = torch.zeros(size // 4, dtype=torch.float32, device=device)
-        dist.all_reduce(tensor[:1], group=self.process_group)  # lines the ranks up; not timed
-        fastest = math.inf
-        for _ in range(_PROBE_REPEATS):
-            _synchronize(device)
-            start = time.perf_counter()
-            dist.all_reduce(tensor, group=self.process_group)
-            _synchronize(device)
-            fastest = min(fastest, time.perf_counter() - start)
-        return fastest
-
-    def _agree(self, values: list[float]) -> list[float]:
-        """The maximum of ``values`` over the ranks (a collective; the same list on every rank)."""
-        if comm.group_size(self.process_group) == 1:
-            return values
-        device = comm.collective_device(self.process_group)
-        tensor = torch.tensor(values, dtype=torch.float64, device=device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.process_group)
-        return tensor.tolist()
-
     # -- step boundaries -------------------------------------------------------------------------------------
     def _begin_step(self) -> None:
         """At the first bucket of a step: close the last step's window, then measure, decide, switch."""
@@ -366,7 +301,7 @@ class AutoHookState(HookState):
         for index, figures in enumerate(self._figures):
             times = figures.step_seconds[1:] or figures.step_seconds
             local += [min(times) if times else 0.0, figures.calls, figures.wire_bytes, self._error_of(index)]
-        agreed = self._agree(local)
+        agreed = agree_max(local, self.process_group)
         unexplained = []
         for k, figures in enumerate(self._figures):
             seconds, figures.calls, figures.wire_bytes, figures.error = agreed[4 * k : 4 * k + 4]
@@ -563,26 +498,6 @@ class AutoHookState(HookState):
     def __setstate__(self, saved: dict[str, Any]) -> None:
         self.__init__(None, **saved["options"])  # type: ignore[misc]
         self.load_state_dict(saved["state"])
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _fit(wire: Sequence[float], seconds: Sequence[float]) -> Link:
-    """Least-squares ``seconds = latency + wire / bandwidth``, kept physical (latency >= 0, bandwidth > 0)."""
-    n = len(wire)
-    mean_x, mean_y = sum(wire) / n, sum(seconds) / n
-    variance = sum((x - mean_x) ** 2 for x in wire)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(wire, seconds, strict=True)) / variance
-    latency = mean_y - slope * mean_x
-    if latency < 0:
-        latency = 0.0
-        slope = sum(x * y for x, y in zip(wire, seconds, strict=True)) / sum(x * x for x in wire)
-    if slope <= 0:
-        return Link(min(seconds), math.inf)
-    return Link(latency, 1.0 / slope)
 
 
 def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
