@@ -3,6 +3,7 @@
 The default saves the copy of every reduced bucket back into ``.grad`` (issue 13). What must not change
 against torch's default (copies): the values of every gradient, bit for bit; a ``.grad`` the user still holds
 after ``zero_grad()`` (the tensor itself, its ``.data`` or a view of it) keeps the values of its step; a
+``.grad`` tensor held through a backward (made by ``no_sync()``, or assigned) receives the reduced values; a
 ``.grad`` kept by ``zero_grad(set_to_none=False)`` is accumulated into in place, as torch does; a
 channels-last parameter keeps its memory format. And the saving must be real: without such references the
 buckets keep their memory from step to step.
@@ -105,6 +106,29 @@ def _views_by_default() -> dict[str, Any]:
         out[f"held_{how}_new_equal"] = _same_grads(theirs, ours)
         del held
 
+    # a .grad held during the synchronised backward (made by a no_sync backward, or assigned by the user)
+    # gets the reduced values, as torch's copies give it; the others are still views
+    for how in ("no_sync", "assigned"):
+        (theirs, ours), optimizers = _pair()
+        held = []
+        for ddp, optimizer in zip((theirs, ours), optimizers, strict=True):
+            _step(ddp, optimizer, 0)
+            optimizer.zero_grad()
+            weight = ddp.module[0].weight
+            if how == "no_sync":
+                with ddp.no_sync():
+                    x, y = _batch(20)
+                    nn.functional.cross_entropy(ddp(x), y).backward()
+            else:
+                weight.grad = torch.full_like(weight, 0.5)
+            held.append(weight.grad)
+            x, y = _batch(21)
+            nn.functional.cross_entropy(ddp(x), y).backward()
+        out[f"{how}_held_reduced"] = torch.equal(held[0], held[1]) and ours.module[0].weight.grad is held[1]
+        out[f"{how}_others_views"] = all(p.grad._base is not None for p in list(ours.parameters())[1:])
+        out[f"{how}_equal"] = _same_grads(theirs, ours)
+        del held
+
     # zero_grad(set_to_none=False): .grad stays the same tensor, accumulated into and reduced in place
     (theirs, ours), optimizers = _pair()
     for ddp, optimizer in zip((theirs, ours), optimizers, strict=True):
@@ -179,3 +203,11 @@ def test_zero_grad_without_none_accumulates_in_place(observed: dict[str, Any]) -
 def test_channels_last_and_false_are_copies(observed: dict[str, Any]) -> None:
     assert observed["channels_last_kept"] and observed["channels_last_equal"]
     assert observed["copies_when_false"] and observed["copies_equal"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["no_sync", "assigned"])
+def test_a_grad_held_during_backward_gets_the_reduced_values(observed: dict[str, Any], how: str) -> None:
+    assert observed[f"{how}_held_reduced"], f"a .grad held through the backward ({how}) kept the local values"
+    assert observed[f"{how}_others_views"] and observed[f"{how}_equal"]
+

@@ -8,6 +8,7 @@ after the first iteration) and grouped by dtype and device, since a bucket is on
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -133,6 +134,43 @@ def _references(views: list[torch.Tensor], k: int) -> int:
 _UNHELD_VIEW_REFS = _references([torch.empty(0)], 0)
 
 
+def _references_as_checked(grad: torch.Tensor) -> int:
+    """``sys.getrefcount`` at the same call depth as in :func:`grad_held_elsewhere` (each frame that binds
+    the tensor counts), for the calibration below."""
+    return sys.getrefcount(grad)
+
+
+@functools.cache
+def _unheld_grad_references() -> int:
+    """The reference count :func:`grad_held_elsewhere` sees for a ``.grad`` nobody else holds, read as the
+    reducer reads it (a local ``grad = param.grad`` in a post-accumulate-grad hook), measured once on a
+    one-element parameter (the absolute count is an interpreter and torch detail)."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    seen: list[int] = []
+
+    def measure(parameter: torch.Tensor) -> None:
+        grad = parameter.grad
+        seen.append(_references_as_checked(grad))
+
+    param.register_post_accumulate_grad_hook(measure)
+    with torch.enable_grad():
+        param.sum().backward()
+    return seen[0]
+
+
+def grad_held_elsewhere(grad: torch.Tensor) -> bool:
+    """Whether a parameter's ``.grad`` tensor (not a bucket view), read into a local ``grad = param.grad``
+    in a post-accumulate-grad hook and passed here, is also held by someone else (the user): torch's copies
+    would give it the reduced values, so it must not be swapped for a view. Call
+    :func:`prepare_grad_references` first, outside any backward."""
+    return sys.getrefcount(grad) > _unheld_grad_references()
+
+
+def prepare_grad_references() -> None:
+    """Measure the reference count :func:`grad_held_elsewhere` compares with (a tiny backward, once)."""
+    _unheld_grad_references()
+
+
 def _storage_refs(tensor: torch.Tensor) -> int:
     """How many tensors (views, ``.data`` aliases) share ``tensor``'s memory."""
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
@@ -167,6 +205,7 @@ class Bucket:
         self.offsets = [sum(self.lengths[:k]) for k in range(len(members))]
         self.shapes = [p.shape for p in members]
         self._handed_out_refs: int | None = None
+        self.copy_back: set[int] = set()  # this step: positions whose .grad the user holds (torch's copies)
         self.renew()
 
     def renew(self) -> None:
@@ -198,27 +237,29 @@ class Bucket:
         return False
 
     def write_gradients(self, globally_used: list[int] | None) -> None:
-        """Give the parameters their reduced gradients (the buffer, reduced): the views (``grads_are_views``) or
-        copies of them, into the existing ``.grad`` tensors with one call per bucket. A parameter no rank used
-        (``globally_used[index]`` false, with ``find_unused_parameters``) keeps its ``.grad``, as in torch."""
-        params, views = self.params, self.views
+        """Give the parameters their reduced gradients (the buffer, reduced): the views (``grads_are_views``,
+        except at :attr:`copy_back` positions) or copies of them into the existing ``.grad`` tensors, with one
+        call per bucket. A parameter no rank used (``globally_used[index]`` false, with
+        ``find_unused_parameters``) keeps its ``.grad``, as in torch."""
+        positions = range(len(self.params))
         if globally_used is not None:
-            used = [k for k, index in enumerate(self.param_indices) if globally_used[index]]
-            params, views = [params[k] for k in used], [views[k] for k in used]
-        grads = [param.grad for param in params]
-        if self.grads_are_views:
-            for param, grad, view in zip(params, grads, views, strict=True):
-                if grad is not view and (grad is None or not same_tensor(grad, view)):
+            positions = [k for k in positions if globally_used[self.param_indices[k]]]
+        copy_back, self.copy_back = self.copy_back, set()
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        for k in positions:
+            param, view = self.params[k], self.views[k]
+            grad = param.grad
+            if grad is None:
+                param.grad = view if self.grads_are_views else view.clone()
+            elif self.grads_are_views and k not in copy_back:
+                if grad is not view and not same_tensor(grad, view):
                     param.grad = view
-            return
-        existing = [k for k, grad in enumerate(grads) if grad is not None]
-        if len(existing) < len(grads):
-            for k, (param, grad) in enumerate(zip(params, grads, strict=True)):
-                if grad is None:
-                    param.grad = views[k].clone()
-            grads, views = [grads[k] for k in existing], [views[k] for k in existing]
-        if grads:
-            torch._foreach_copy_(grads, views)
+            else:
+                targets.append(grad)
+                sources.append(view)
+        if targets:
+            torch._foreach_copy_(targets, sources)
 
     def grad_bucket(self, buffer: torch.Tensor | None = None) -> GradBucket:
         """A fresh hook-facing view of this bucket (``set_buffer`` on it must not outlive the iteration);

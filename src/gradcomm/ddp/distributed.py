@@ -149,9 +149,11 @@ class DistributedDataParallel(TorchDDPSurface):
         gradient_as_bucket_view: ``True``: each ``.grad`` is a view into its bucket, as torch's option (no copy
             back after the reduction, one gradient-sized buffer less). ``False``: ``.grad`` are separate
             tensors the reduced buckets are copied into, as torch's default. ``None`` (the default): views
-            where nothing a user sees changes: contiguous dense parameters, and a ``.grad`` the user still
+            where nothing a user sees changes: contiguous dense parameters; a ``.grad`` the user still
             holds after ``zero_grad()`` (or a ``.data`` alias or view of it) keeps its values, since its
-            bucket then gets new memory before the next step writes into it. The difference from ``False``
+            bucket then gets new memory before the next step writes into it; and a ``.grad`` tensor the user
+            holds through the backward (made by a ``no_sync()`` backward, or assigned) receives the reduced
+            values, as torch's copies give it, instead of being replaced by a view. The difference from ``False``
             that remains visible: ``.grad`` is a view (``._base`` is the bucket, ``torch.save`` of a lone
             ``.grad`` stores the bucket). Pass ``False`` for torch's default exactly.
         static_graph: the same parameters are used in every iteration. The first iteration finds those without

@@ -40,7 +40,14 @@ from torch.distributed import ProcessGroup
 
 from gradcomm.comm.faults import PeerLostError, reporting_lost_peers
 from gradcomm.comm.futures import wait_quietly
-from gradcomm.ddp.bucketing import Bucket, assign_buckets, bucket_size_limits, same_tensor
+from gradcomm.ddp.bucketing import (
+    Bucket,
+    assign_buckets,
+    bucket_size_limits,
+    grad_held_elsewhere,
+    prepare_grad_references,
+    same_tensor,
+)
 from gradcomm.ddp.finite import check_bucket_finite
 from gradcomm.ddp.grad_hooks import EndOfBackwardHook, GradReadyHook
 from gradcomm.ddp.hook_runner import HookRunner
@@ -88,6 +95,8 @@ class Reducer(ReducerSurface):
         # True: .grad are bucket views (torch's option); None: views where safe (the default, see
         # _build_buckets and _mark_ready); False: .grad are copies, as torch's default
         self._as_view = gradient_as_bucket_view
+        if gradient_as_bucket_view is None:
+            prepare_grad_references()
         self._check_finite = check_finite
         # what every rank must agree on besides the hook and the buckets (the DDP's options that add collectives)
         self._settings = dict(settings or {})
@@ -256,7 +265,9 @@ class Reducer(ReducerSurface):
         if broadcast:  # one rank's order (rank 0's), so that every rank has the same buckets
             src = dist.get_global_rank(self._group or dist.group.WORLD, source_rank)
             dist.broadcast(order, src=src, group=self._group)
-        old_grads = [p.grad for p in self._params] if self._as_view is not False else []
+        # gradient_as_bucket_view=True: .grad move into the new buckets, as torch's; by default they stay
+        # where they are until their next gradient (a .grad held there must keep receiving the results)
+        old_grads = [p.grad for p in self._params] if self._as_view else []
         self._build_buckets(order.tolist())
         self._has_rebuilt = True
         for index, grad in enumerate(old_grads):
@@ -316,15 +327,18 @@ class Reducer(ReducerSurface):
         if grad is None:
             view.zero_()
         else:
+            in_bucket = grad is view or same_tensor(grad, view)
+            if bucket.grads_are_views and not in_bucket:
+                if self._as_view is None and grad_held_elsewhere(grad):
+                    bucket.copy_back.add(position)  # the user holds this .grad: torch's copy back into it
+                else:
+                    param.grad = view
             if grad.requires_grad:
                 grad = self._graph_gradient_value(grad)
-            in_bucket = grad is view or same_tensor(grad, view)
             if self._runner.averages_itself:
                 torch.mul(grad, self._scale, out=view)  # as torch: pre-divide each gradient, then sum
             elif not in_bucket:
                 view.copy_(grad)
-            if bucket.grads_are_views and not in_bucket:
-                param.grad = view
         self._pending[bucket.index] -= 1
         if self._pending[bucket.index] == 0:
             self._launch_ready_buckets()
