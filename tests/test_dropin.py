@@ -140,8 +140,9 @@ def test_constructor_arguments_behave_as_torch() -> None:
     ]
     assert out["dim"] == 1
     names, cap, cap_list = out["caps"]
-    # the first bucket closes once it reaches 40 bytes (the last layer: 8 + 64 bytes), the rest share 1000 MB
-    assert names == [["2.bias", "2.weight"], ["0.bias", "0.weight"]]
+    # torch's first-iteration layout: in registration order the first bucket closes once it reaches 40 bytes
+    # (0.weight, 192 bytes), the rest share 1000 MB; then the list is reversed
+    assert names == [["0.bias", "2.weight", "2.bias"], ["0.weight"]]
     assert cap == 1000 * 2**20 and cap_list == [40, 1000 * 2**20]
     assert out["bad_caps"] == "ValueError: bucket_cap_mb_list must hold positive sizes in MB, got [0]"
 

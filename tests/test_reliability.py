@@ -122,18 +122,18 @@ def failing_future_on_rank_one_hook(group: Any, bucket: dist.GradBucket) -> torc
 def _faults() -> dict[str, Any]:
     out: dict[str, Any] = {}
     group = _fault_group()
-    ddp = gradcomm.DistributedDataParallel(_mlp(), process_group=group, bucket_cap_mb=0.001)
+    ddp = gradcomm.DistributedDataParallel(_mlp(), process_group=group, bucket_cap_mb_list=[0.001])
     ddp.register_comm_hook(group, raise_on_rank_one_hook)
     out["buckets"] = ddp.reducer.bucket_count
     out["hook_raises"] = _first_failure(ddp, 3)
 
     group = _fault_group()
-    ddp = gradcomm.DistributedDataParallel(_mlp(), process_group=group, bucket_cap_mb=0.001)
+    ddp = gradcomm.DistributedDataParallel(_mlp(), process_group=group, bucket_cap_mb_list=[0.001])
     ddp.register_comm_hook(group, failing_future_on_rank_one_hook)
     out["future_fails"] = _first_failure(ddp, 3)
 
     group = _fault_group()
-    ddp = gradcomm.DistributedDataParallel(_mlp(), process_group=group, bucket_cap_mb=0.001, check_finite=True)
+    ddp = gradcomm.DistributedDataParallel(_mlp(), process_group=group, bucket_cap_mb_list=[0.001], check_finite=True)
     if dist.get_rank() == 1:
         weight = ddp.module[2].weight
         weight.register_hook(lambda grad: grad.clone().fill_(math.nan) if ddp.synchronised_steps == 1 else grad)
@@ -148,10 +148,14 @@ def _disagreements() -> dict[str, Any]:
     ddp = gradcomm.DistributedDataParallel(_mlp())
     out["different_hooks"] = error_text(lambda: ddp.register_comm_hook(None, hooks[rank]))
 
-    ddp = gradcomm.DistributedDataParallel(_mlp(), bucket_cap_mb=[0.0001, 25][rank])
+    # bucket_cap_mb_list: different layouts from the first step (with bucket_cap_mb, as in torch, the first
+    # step has one bucket on every rank and only the option differs)
+    ddp = gradcomm.DistributedDataParallel(_mlp(), bucket_cap_mb_list=[[0.0001], [25]][rank])
     out["different_buckets"] = error_text(lambda: ddp.register_comm_hook(None, default_hooks.allreduce_hook))
-    ddp = gradcomm.DistributedDataParallel(_mlp(), bucket_cap_mb=[0.0001, 25][rank])
+    ddp = gradcomm.DistributedDataParallel(_mlp(), bucket_cap_mb_list=[[0.0001], [25]][rank])
     out["different_buckets_no_hook"] = error_text(lambda: _train_step(ddp, 0))
+    ddp = gradcomm.DistributedDataParallel(_mlp(), bucket_cap_mb=[0.0001, 25][rank])
+    out["different_bucket_cap"] = error_text(lambda: _train_step(ddp, 0))
 
     state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank + 1)
     ddp = gradcomm.DistributedDataParallel(_mlp())
@@ -439,7 +443,8 @@ DISAGREEMENTS = {
     r"  hook differs: rank 0: gradcomm.hooks.default_hooks.allreduce_hook; "
     r"rank 1: gradcomm.hooks.default_hooks.fp16_compress_hook\n",
     "different_buckets": r"(?s)RanksDisagreeError: .*bucket layout differs: rank 0: \d+ bucket\(s\) .*; rank 1: 1 "
-    r"bucket\(s\) of \[\d+\] elements .*bucket_cap_mb differs: rank 0: 0.0001; rank 1: 25",
+    r"bucket\(s\) of \[\d+\] elements .*bucket_cap_mb_list differs: rank 0: \[104\]; rank 1: \[26214400\]",
+    "different_bucket_cap": r"bucket_cap_mb differs: rank 0: 0.0001; rank 1: 25",
     "different_buckets_no_hook": r"(?s)RanksDisagreeError: .*bucket layout differs: rank 0: \d+ bucket\(s\)",
     "different_options": r"(?s)hook options differs: rank 0: PowerSGDState\(.*matrix_approximation_rank=1.*\); "
     r"rank 1: PowerSGDState\(.*matrix_approximation_rank=2",

@@ -123,7 +123,7 @@ class EqualBuckets(nn.Module):
 def _failed_bucket() -> dict[str, Any]:
     out: dict[str, Any] = {}
     group = _fault_group()
-    ddp = gradcomm.DistributedDataParallel(EqualBuckets(), process_group=group, bucket_cap_mb=256 / 2**20)
+    ddp = gradcomm.DistributedDataParallel(EqualBuckets(), process_group=group, bucket_cap_mb_list=[256 / 2**20])  # buckets from the first step
     ddp.register_comm_hook(group, failed_future_on_rank_one_hook)
     out["buckets"] = ddp.reducer.bucket_count
     out["outcome"] = _steps(ddp, 3)

@@ -1,9 +1,10 @@
 """Assigning parameters to gradient buckets.
 
 Gradients are reduced in buckets of a few MB: large enough that each collective is efficient, small enough
-that the first buckets can be sent while backward is still computing the rest. Parameters are visited in the
-order their gradients are expected to become ready (reverse registration order at first, the observed order
-after the first iteration) and grouped by dtype and device, since a bucket is one flat tensor.
+that the first buckets can be sent while backward is still computing the rest. The layouts are torch's DDP's,
+bucket for bucket (:func:`initial_buckets` before the first iteration, :func:`assign_buckets` in the observed
+ready order after it), grouped by dtype and device, since a bucket is one flat tensor. Also here: the
+:class:`Bucket` itself, with the checks that let ``.grad`` be views of it by default.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = [
     "DEFAULT_FIRST_BUCKET_BYTES",
     "Bucket",
     "assign_buckets",
+    "initial_buckets",
     "bucket_size_limits",
     "bucket_size_list",
     "same_tensor",
@@ -56,6 +58,32 @@ def bucket_size_list(bucket_cap_mb_list: Sequence[float] | None) -> list[int] | 
     return [max(1, int(cap * _MB)) for cap in bucket_cap_mb_list]
 
 
+def initial_buckets(
+    tensors: Sequence[torch.Tensor],
+    first_limit: int,
+    limit: int,
+    *,
+    one_per_kind: bool,
+    limits: Sequence[int] | None = None,
+    alone: Sequence[bool] | None = None,
+) -> list[list[int]]:
+    """The buckets before the first iteration, as torch's DDP lays them out.
+
+    Assigned in registration order (``first_limit`` applies to the first registered parameters), then the
+    list of buckets reversed, so that the last registered parameters, whose gradients usually come first,
+    are in bucket 0; within a bucket, registration order. With ``one_per_kind`` (torch, unless
+    ``find_unused_parameters`` without a static graph) every (dtype, device) gets one bucket: the first
+    iteration is not overlapped, and the buckets are rebuilt in the observed order after it. ``limits``
+    (``bucket_cap_mb_list``) applies in every case. The same layout as torch's matters beyond the first step
+    wherever buckets are not rebuilt (``find_unused_parameters``), for hooks that work on whole buckets, and
+    from 3 ranks on for the last bits of a ring allreduce, which depend on an element's offset.
+    """
+    if one_per_kind and not limits:
+        first_limit = limit = sys.maxsize
+    groups = assign_buckets(tensors, range(len(tensors)), first_limit, limit, limits=limits, alone=alone)
+    return groups[::-1]
+
+
 @dataclass
 class _OpenBucket:
     indices: list[int] = field(default_factory=list)
@@ -81,10 +109,12 @@ def assign_buckets(
     """Group ``tensors`` (visited in ``order``) into buckets; return each bucket's tensor indices.
 
     Per (dtype, device), a bucket is closed as soon as its size (``size``: bytes by default) reaches its
-    limit: ``first_limit`` for the first bucket of that kind, ``limit`` after. With ``strict`` (fairseq's
-    legacy DDP, whose buffers have a fixed size) it is closed *before* a tensor that would take it past the
-    limit instead. A tensor larger than ``limit`` gets a bucket of its own. Buckets are returned in the order
-    of their first tensor in ``order``, so they become ready one after another.
+    limit: ``first_limit`` for the first bucket of that kind, ``limit`` after; a tensor larger than the limit
+    closes the bucket it joins. This is torch's ``_compute_bucket_assignment_by_size``, tested against it.
+    With ``strict`` (fairseq's legacy DDP, whose buffers have a fixed size) a bucket is closed *before* a
+    tensor that would take it past the limit instead, and a tensor larger than ``limit`` gets a bucket of its
+    own. Buckets are returned in the order of their first tensor in ``order``, so they become ready one after
+    another.
 
     ``limits`` (torch's ``bucket_cap_mb_list``) replaces the two limits by one per bucket of a kind: the
     ``k``-th uses ``limits[k]``, the last applies to the rest. ``alone`` marks tensors that get a bucket of
@@ -114,7 +144,7 @@ def assign_buckets(
         nbytes = size(tensor)
         current_limit = cap(bucket.closed_count)
         oversized = nbytes > (max(limits) if limits else limit)
-        if bucket.indices and (oversized or strict and bucket.nbytes + nbytes > current_limit):
+        if strict and bucket.indices and (oversized or bucket.nbytes + nbytes > current_limit):
             close(bucket)
         bucket.indices.append(index)
         bucket.nbytes += nbytes

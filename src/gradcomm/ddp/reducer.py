@@ -14,8 +14,10 @@ Mechanism only; what a bucket's communication does is the hook's business. Per s
 
 A static graph's first iteration and ``find_unused_parameters`` without an output (a backward inside the
 forward) learn which parameters have no gradient only at the end of backward (:meth:`Reducer._end_of_backward`).
-After the first synchronised iteration the buckets are rebuilt once, in the order gradients actually became
-ready (rank 0's order, broadcast so all ranks agree), as torch's DDP does.
+The buckets start as torch's first-iteration layout (:func:`~gradcomm.ddp.bucketing.initial_buckets`: one per
+dtype and device unless ``find_unused_parameters``); after the first synchronised iteration they are rebuilt
+once, in the order gradients actually became ready (rank 0's order, broadcast so all ranks agree), as torch's
+DDP does. The same layouts give the same sums in the same order: bit for bit torch's results.
 
 Failures never hang and never leave a half-reduced step behind. Every wait ends when the process group's
 timeout passes (a collective that a peer never joins fails then); a failure is reported with the step and
@@ -45,6 +47,7 @@ from gradcomm.ddp.bucketing import (
     assign_buckets,
     bucket_size_limits,
     grad_held_elsewhere,
+    initial_buckets,
     prepare_grad_references,
     same_tensor,
 )
@@ -117,7 +120,16 @@ class Reducer(ReducerSurface):
         self._first_counts: list[int] = []
         self._countdown: list[int] = []
         self._warned_create_graph = False
-        self._build_buckets(list(reversed(range(len(self._params)))))
+        self._build_buckets(
+            initial_buckets(
+                self._params,
+                self._first_limit,
+                self._limit,
+                one_per_kind=static_graph or not find_unused_parameters,
+                limits=self._bucket_caps,
+                alone=self._sparse,
+            )
+        )
         self._reset_iteration()
         self_ref = weakref.ref(self)
         # the per-gradient step of each parameter: dense into its bucket view, or sparse into a bucket of its own
@@ -234,11 +246,9 @@ class Reducer(ReducerSurface):
             self._armed = False
 
     # -- bucket layout -------------------------------------------------------------------------------------
-    def _build_buckets(self, order: list[int]) -> None:
-        self._layout_order = order
-        groups = assign_buckets(
-            self._params, order, self._first_limit, self._limit, limits=self._bucket_caps, alone=self._sparse
-        )
+    def _build_buckets(self, groups: list[list[int]]) -> None:
+        """Make the buckets: ``groups`` holds each bucket's parameter indices, in bucket order."""
+        self._layout_order = [index for group in groups for index in group]
         last = len(groups) - 1
         self._buckets: list[Bucket | SparseBucket] = [
             SparseBucket(index, indices[0], self._params, index == last)
@@ -268,7 +278,11 @@ class Reducer(ReducerSurface):
         # gradient_as_bucket_view=True: .grad move into the new buckets, as torch's; by default they stay
         # where they are until their next gradient (a .grad held there must keep receiving the results)
         old_grads = [p.grad for p in self._params] if self._as_view else []
-        self._build_buckets(order.tolist())
+        self._build_buckets(
+            assign_buckets(
+                self._params, order.tolist(), self._first_limit, self._limit, limits=self._bucket_caps, alone=self._sparse
+            )
+        )
         self._has_rebuilt = True
         for index, grad in enumerate(old_grads):
             bucket, position = self._location[index]
