@@ -218,6 +218,13 @@ def engine_checks() -> dict[str, Any]:
     for step in range(2):
         _backward(rebuilt, step)
     out["layout_after"] = rebuilt.reducer.bucket_parameter_names()
+    # find_unused_parameters: never rebuilt, and a saved layout loads as the same (torch's initial) buckets
+    unused = gradcomm.DistributedDataParallel(_mlp(), bucket_cap_mb=0.0001, find_unused_parameters=True)
+    for step in range(2):
+        _backward(unused, step)
+    loaded = gradcomm.DistributedDataParallel(_mlp(), bucket_cap_mb=0.0001, find_unused_parameters=True)
+    loaded.reducer.load_bucket_layout(unused.reducer.bucket_layout())
+    out["unused_layouts"] = [ddp.reducer.bucket_parameter_names() for ddp in (unused, loaded)]
 
     # no_sync with a .then-chained hook over many iterations: finite and equal to plain averaging
     out["no_sync_then"] = _no_sync_then_vs_default(world)
@@ -363,6 +370,8 @@ def test_buckets_rebuilt_in_ready_order(observed: dict[str, Any]) -> None:
     assert len(before) == 1, before  # torch's first iteration: one bucket (test_bucket_layouts_are_torchs)
     assert after[0][0].startswith("late"), after  # `late` is used last in forward: its gradients come first
     assert sorted(sum(before, [])) == sorted(sum(after, []))
+    kept, loaded = observed["unused_layouts"]
+    assert len(kept) > 1 and loaded == kept, (kept, loaded)
 
 
 @pytest.mark.timeout(240)

@@ -124,7 +124,9 @@ class ReducerSurface:
         """The bucket layout as plain values, for checkpoints: the parameter order the buckets are (or, after
         a pending rebuild, will be) built from, and whether the one-time rebuild has happened."""
         order = self._rebuild_order if self._rebuild_order is not None else self._layout_order
-        return {"order": list(order), "rebuilt": self._rebuild_done, "names": list(self._names)}
+        # with find_unused_parameters nothing is ever rebuilt: the initial layout follows from the model alone
+        rebuilt = self._rebuild_done and (self._has_rebuilt or self._rebuild_order is not None)
+        return {"order": list(order), "rebuilt": rebuilt, "names": list(self._names)}
 
     def load_bucket_layout(self, layout: dict[str, Any]) -> None:
         """Adopt a saved :meth:`bucket_layout`, so a resumed run reduces in the same buckets as the original."""
