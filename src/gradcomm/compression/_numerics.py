@@ -42,6 +42,7 @@ __all__ = [
     "unpack_bits",
     "unpack_signs",
     "work_dtype",
+    "zero_at",
 ]
 
 
@@ -314,6 +315,13 @@ def random_subset(numel: int, k: int, generator: torch.Generator | None, device:
     positions = torch.arange(draws.numel(), device=device)
     first = torch.full_like(distinct, draws.numel()).scatter_reduce_(0, which, positions, "amin")
     return distinct[first.argsort()[:k]]
+
+
+def zero_at(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with the elements at flat ``indices`` set to 0: in place (and returned) where it is
+    contiguous, else in a contiguous copy."""
+    tensor = tensor.contiguous()
+    return tensor.view(-1).index_fill_(0, indices.long(), 0).view(tensor.shape)
 
 
 def sparse_to_dense(values: torch.Tensor, indices: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:

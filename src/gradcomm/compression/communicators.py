@@ -60,19 +60,21 @@ def compensated_compress(
     key: Hashable,
     tensor: torch.Tensor,
     compress: Callable[[torch.Tensor], tuple[Payload, Any]] | None = None,
-    decompress: Callable[[Payload, Any], torch.Tensor] | None = None,
+    residual: Callable[[torch.Tensor, Payload, Any], torch.Tensor] | None = None,
 ) -> tuple[Payload, Any]:
     """Compress ``tensor`` plus its residual and keep what the compression dropped as the next residual.
 
-    ``compress``/``decompress`` default to the compressor's; random draws come from ``key``'s stream.
+    ``compress`` and ``residual`` (``corrected - decompress(payload, ctx)``, :meth:`Compressor.residual`,
+    which may overwrite ``corrected``) default to the compressor's; random draws come from ``key``'s stream.
     """
     compress = compress or compressor.compress
-    decompress = decompress or compressor.decompress
+    residual = residual or compressor.residual
     corrected = memory.compensate(key, tensor)
     with compressor.stream(key):
         payload, ctx = compress(corrected)
     if memory.enabled:
-        memory.update(key, corrected, decompress(payload, ctx))
+        owned = corrected.clone() if corrected is tensor else corrected  # the first step: no residual yet
+        memory.store(key, residual(owned, payload, ctx))
     return payload, ctx
 
 
@@ -216,6 +218,14 @@ def _join_rows(rows: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     return rows.reshape(-1)[: spec.numel].view(spec.shape)
 
 
+def _subtracting(
+    decompress: Callable[[Payload, Any], torch.Tensor],
+) -> Callable[[torch.Tensor, Payload, Any], torch.Tensor]:
+    """The residual ``corrected - decompress(payload, ctx)``, subtracted in place: for payloads that do not
+    share ``corrected``'s memory (row-wise codes and scales never do)."""
+    return lambda corrected, payload, ctx: corrected.sub_(decompress(payload, ctx))
+
+
 def _all_reduce(flat: torch.Tensor, group: ProcessGroup | None) -> Launch:
     return lambda: comm.all_reduce(flat, group)
 
@@ -261,7 +271,7 @@ class TwoStageAllreduce(Communicator):
         def decompress(payload: Payload, ctx: _Chunked) -> torch.Tensor:
             return _join_rows(rowwise.decompress_rows(payload, ctx.rows), ctx.spec)
 
-        payload, ctx = compensated_compress(compressor, memory, key, tensor, compress, decompress)
+        payload, ctx = compensated_compress(compressor, memory, key, tensor, compress, _subtracting(decompress))
         return Message(key, compressor, payload, ctx)
 
     def exchange(
@@ -291,7 +301,7 @@ class TwoStageAllreduce(Communicator):
                         message.key,
                         mean.unsqueeze(0),
                         rowwise.compress_rows,
-                        rowwise.decompress_rows,
+                        _subtracting(rowwise.decompress_rows),
                     )
                 )
             server_parts = [part for payload, _ in reduced for part in payload]

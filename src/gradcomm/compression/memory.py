@@ -31,6 +31,11 @@ class Memory(ABC):
     def update(self, key: Hashable, corrected: torch.Tensor, sent: torch.Tensor) -> None:
         """Store ``corrected - sent``: what this step's compression left out."""
 
+    def store(self, key: Hashable, residual: torch.Tensor) -> None:
+        """Store ``residual`` itself as what this step's compression left out; the memory may keep the tensor
+        (the caller hands it over) rather than copy it."""
+        self.update(key, residual, torch.zeros_like(residual))
+
     def state_dict(self) -> dict[Hashable, torch.Tensor]:
         return {}
 
@@ -49,6 +54,9 @@ class NoMemory(Memory):
         return tensor
 
     def update(self, key: Hashable, corrected: torch.Tensor, sent: torch.Tensor) -> None:
+        pass
+
+    def store(self, key: Hashable, residual: torch.Tensor) -> None:
         pass
 
 
@@ -79,6 +87,9 @@ class ResidualMemory(Memory):
             self.residuals[key] = corrected - sent
         else:
             torch.sub(corrected, sent, out=residual)
+
+    def store(self, key: Hashable, residual: torch.Tensor) -> None:
+        self.residuals[key] = residual
 
     def state_dict(self) -> dict[Hashable, torch.Tensor]:
         return dict(self.residuals)

@@ -1,0 +1,135 @@
+"""The compression hooks' cheaper encode and decode paths give the values of the plain formulas they replace.
+
+Each shortcut (a residual zeroed in place instead of ``corrected - decompress(payload)``, decoding a two-stage
+exchange once, ...) is checked bit for bit against the formula it stands for, on several dtypes and shapes,
+with zeros and negative zeros in the input.
+"""
+
+from functools import partial
+
+import pytest
+import torch
+
+from gradcomm.compression import DGC, QSGD, Memory, NoMemory, RandomK, ResidualMemory, TernGrad, TopK
+from gradcomm.compression.base import RowwiseCompressor
+from gradcomm.compression.communicators import TwoStageAllreduce, _join_rows, compensated_compress
+from gradcomm.compression.registry import methods
+
+COMPRESSORS = {
+    **methods(),
+    "randomk_biased": partial(RandomK, unbiased=False),
+    "randomk_all": partial(RandomK, ratio=1.0, unbiased=False),
+    "topk_half": partial(TopK, ratio=0.5),
+    "qsgd_3bit": partial(QSGD, levels=3, bucket_size=64),
+    "terngrad_unclipped": partial(TernGrad, clip=None),
+}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+SHAPES = [(1000,), (33, 65), (5, 7, 11)]
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``x``: equal only where every element has the same bits (-0.0 is not 0.0)."""
+    return x.contiguous().view(-1).view(torch.uint8)
+
+
+def gradient(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    flat = x.view(-1)
+    flat[::9] = 0
+    flat[1::13] = -0.0
+    return x
+
+
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_residual_is_corrected_minus_the_decompressed_payload(name, dtype):
+    compressor = COMPRESSORS[name]()
+    for seed, shape in enumerate(SHAPES):
+        corrected = gradient(shape, dtype, seed)
+        with compressor.stream(shape):
+            payload, ctx = compressor.compress(corrected)
+        expected = corrected - compressor.decompress(payload, ctx)
+        residual = compressor.residual(corrected.clone(), payload, ctx)
+        assert residual.shape == corrected.shape and residual.dtype == dtype
+        assert torch.equal(bits(residual), bits(expected)), (name, dtype, shape)
+
+
+@pytest.mark.parametrize("name", ["topk", "randomk_biased"])
+def test_sparse_residual_zeroes_sent_coordinates_in_place(name):
+    """The sparsifiers' residual is ``corrected`` itself with what was sent set to 0 (no dense pass); a sent
+    infinity leaves 0 (the subtraction would leave NaN)."""
+    compressor = COMPRESSORS[name]()
+    corrected = gradient((4096,), torch.float32, 0)
+    corrected[5] = float("inf")
+    with compressor.stream("w"):
+        payload, ctx = compressor.compress(corrected)
+    residual = compressor.residual(corrected, payload, ctx)
+    assert residual.data_ptr() == corrected.data_ptr()
+    sent = compressor.decompress(payload, ctx) != 0
+    assert sent.sum() > 0 and (residual[sent] == 0).all()
+    assert torch.isfinite(residual).all() or name == "randomk_biased"
+
+
+def test_sparse_residual_of_a_non_contiguous_tensor():
+    compressor = TopK(0.25)
+    corrected = gradient((64, 48), torch.float32, 3).t()
+    payload, ctx = compressor.compress(corrected)
+    expected = corrected - compressor.decompress(payload, ctx)
+    assert torch.equal(compressor.residual(corrected.clone(), payload, ctx), expected)
+
+
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+def test_compensated_compress_leaves_the_gradient_alone(name):
+    """The first step (no residual yet) compresses the gradient itself: the in-place residual must work on a
+    copy. Two steps of error feedback give the dense formula's residuals."""
+    compressor, memory = COMPRESSORS[name](), ResidualMemory()
+    if isinstance(compressor, DGC):
+        pytest.skip("DGC keeps its own buffers instead of error feedback")
+    expected = None
+    for step in range(3):
+        x = gradient((2048,), torch.float32, step)
+        original = x.clone()
+        corrected = x if expected is None else x + expected
+        with compressor.stream("w"):
+            payload, ctx = compensated_compress(compressor, memory, "w", x)
+        assert torch.equal(bits(x), bits(original))
+        expected = corrected - compressor.decompress(payload, ctx)
+        assert torch.equal(bits(memory.residuals["w"]), bits(expected)), step
+
+
+@pytest.mark.parametrize("name", ["onebit", "bytegrad"])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_two_stage_worker_residual(name, world_size):
+    compressor: RowwiseCompressor = COMPRESSORS[name]()
+    communicator = TwoStageAllreduce(server_error_feedback=True)
+    memory = ResidualMemory()
+    held = torch.zeros(1001)
+    for step in range(3):
+        x = gradient((1001,), torch.float32, step)
+        message = communicator.encode(compressor, "w", x, memory, world_size)
+        sent = _join_rows(compressor.decompress_rows(message.payload, message.ctx.rows), message.ctx.spec)
+        held = x + held - sent
+        assert torch.equal(bits(memory.residuals["w"]), bits(held)), step
+
+
+class _UpdateOnly(Memory):
+    """A memory written before :meth:`Memory.store` existed: only ``update``."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.kept: dict[str, torch.Tensor] = {}
+
+    def compensate(self, key, tensor):
+        return tensor + self.kept[key] if key in self.kept else tensor
+
+    def update(self, key, corrected, sent):
+        self.kept[key] = corrected - sent
+
+
+def test_memory_store_defaults_to_update():
+    memory, x = _UpdateOnly(), torch.randn(2048)
+    compressor = TopK(0.01)
+    payload, ctx = compensated_compress(compressor, memory, "w", x)
+    assert torch.equal(memory.kept["w"], x - compressor.decompress(payload, ctx))
+    NoMemory().store("w", x)  # keeps nothing
