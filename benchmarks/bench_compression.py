@@ -11,10 +11,14 @@ on all the model's gradients as one bucket, no model), the encoding and decoding
 forward and backward (with ``--profile N``: the top ``N`` operators by self CPU time over 10 hook calls).
 With ``--clock thread`` the hook alone is timed in CPU seconds of the calling thread (``time.thread_time``;
 the hook's torch operators run on it with one torch thread) instead of wall-clock seconds: far less disturbed
-by other processes on a shared machine, though not by their use of shared caches and memory bandwidth.
+by other processes on a shared machine, though not by their use of shared caches and memory bandwidth. It
+misses the work of a future's callbacks where the backend's thread runs them (decoding after a collective
+that completed before the callback was attached runs on the calling thread, else on gloo's): ``--clock
+process`` (``time.process_time``, every thread of the rank's process: the calling thread, gloo's, which are
+otherwise idle) counts that too.
 
     python benchmarks/bench_compression.py [--workloads cnn transformer] [--hooks allreduce topk ...]
-        [--reps 5] [--steps 8] [--warmup 5] [--threads 1] [--hook-only [--clock thread]]
+        [--reps 5] [--steps 8] [--warmup 5] [--threads 1] [--hook-only [--clock process]]
         [--profile 12 --profile-hooks onebit terngrad]
 
 Hooks default to allreduce and every registered method (:func:`gradcomm.compression.registry.methods`), each
@@ -58,7 +62,7 @@ def _measure(
     return seconds
 
 
-CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time, "process": time.process_time}
 
 
 def _one_bucket(workload_name: str) -> GradBucket:
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         "--clock",
         choices=sorted(CLOCKS),
         default="wall",
-        help="with --hook-only: wall-clock seconds, or CPU seconds of the hook's thread",
+        help="with --hook-only: wall-clock seconds, CPU seconds of the hook's thread, or of its process",
     )
     parser.add_argument("--profile", type=int, default=0, help="print this many profiler rows per hook")
     parser.add_argument("--profile-hooks", nargs="+", default=[], help="hooks to profile (default: all)")

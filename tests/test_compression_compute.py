@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gradcomm.compression import DGC, QSGD, Memory, NoMemory, RandomK, ResidualMemory, TernGrad, TopK
+from gradcomm.compression._numerics import ordered_mean
 from gradcomm.compression.base import RowwiseCompressor
 from gradcomm.compression.communicators import TwoStageAllreduce, _join_rows, compensated_compress
 from gradcomm.compression.registry import methods
@@ -133,3 +134,28 @@ def test_memory_store_defaults_to_update():
     payload, ctx = compensated_compress(compressor, memory, "w", x)
     assert torch.equal(memory.kept["w"], x - compressor.decompress(payload, ctx))
     NoMemory().store("w", x)  # keeps nothing
+
+
+@pytest.mark.parametrize("name", ["onebit", "bytegrad"])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_stage_one_reuses_this_ranks_own_decoding(name, world_size):
+    """Stage 1 takes this rank's own row from the worker residual's decompression instead of decoding it
+    again: the rows, and their ordered mean, are those of decoding every received row."""
+    compressor: RowwiseCompressor = COMPRESSORS[name]()
+    memory = ResidualMemory()
+    x = gradient((1001,), torch.float32, 5)
+    message = TwoStageAllreduce().encode(compressor, "w", x, memory, world_size)
+    assert message.ctx.decoded is not None
+    for rank in range(world_size):
+        # what rank `rank` receives: row `rank` of every source; here every source sent this payload
+        received = [part[rank : rank + 1].expand(world_size, *part.shape[1:]).contiguous() for part in message.payload]
+        expected = compressor.decompress_rows(received, message.ctx.rows)
+        rows = TwoStageAllreduce._received(compressor, received, message.ctx, rank)
+        assert torch.equal(torch.stack(list(rows)), expected)
+        assert torch.equal(ordered_mean(rows, world_size), ordered_mean(expected, world_size))
+
+
+def test_ordered_mean_of_one_tensor_is_the_tensor():
+    x = gradient((100,), torch.float32, 1)
+    assert ordered_mean([x], 1) is x
+    assert torch.equal(ordered_mean(torch.stack([x, 2 * x]), 2), x / 2 + 2 * x / 2)

@@ -62,8 +62,11 @@ _nonzero = nonzero_or_one
 
 def ordered_mean(tensors: Iterable[torch.Tensor], count: int) -> torch.Tensor:
     """Mean of ``count`` tensors (or rows of a tensor) summed in the given order, so that every rank computing
-    it gets identical bits; each is divided first, so the sum cannot overflow where the mean does not."""
+    it gets identical bits; each is divided first, so the sum cannot overflow where the mean does not. The mean
+    of one tensor is that tensor itself (not a copy)."""
     iterator = iter(tensors)
+    if count == 1:
+        return next(iterator)
     total = next(iterator) / count
     for tensor in iterator:
         total += tensor / count

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from gradcomm import comm
@@ -207,6 +208,8 @@ class _Chunked:
 
     spec: TensorSpec
     rows: Any
+    decoded: torch.Tensor | None = field(default=None, compare=False)
+    """This rank's payload decompressed, one row per rank, where its error feedback computed it."""
 
 
 def _split_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
@@ -219,11 +222,16 @@ def _join_rows(rows: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
 
 
 def _subtracting(
-    decompress: Callable[[Payload, Any], torch.Tensor],
+    decompress: Callable[[Payload, Any], torch.Tensor], kept: list[torch.Tensor]
 ) -> Callable[[torch.Tensor, Payload, Any], torch.Tensor]:
-    """The residual ``corrected - decompress(payload, ctx)``, subtracted in place: for payloads that do not
-    share ``corrected``'s memory (row-wise codes and scales never do)."""
-    return lambda corrected, payload, ctx: corrected.sub_(decompress(payload, ctx))
+    """The residual ``corrected - decompress(payload, ctx)``, subtracted in place (row-wise codes and scales
+    never share ``corrected``'s memory); the decompressed tensor is appended to ``kept``, to be reused."""
+
+    def residual(corrected: torch.Tensor, payload: Payload, ctx: Any) -> torch.Tensor:
+        kept.append(decompress(payload, ctx))
+        return corrected.sub_(kept[-1])
+
+    return residual
 
 
 def _all_reduce(flat: torch.Tensor, group: ProcessGroup | None) -> Launch:
@@ -268,11 +276,31 @@ class TwoStageAllreduce(Communicator):
             payload, ctx = rowwise.compress_rows(_split_rows(corrected, world_size))
             return payload, _Chunked(TensorSpec.of(corrected), ctx)
 
-        def decompress(payload: Payload, ctx: _Chunked) -> torch.Tensor:
-            return _join_rows(rowwise.decompress_rows(payload, ctx.rows), ctx.spec)
+        decoded: list[torch.Tensor] = []
 
-        payload, ctx = compensated_compress(compressor, memory, key, tensor, compress, _subtracting(decompress))
-        return Message(key, compressor, payload, ctx)
+        def residual(corrected: torch.Tensor, payload: Payload, ctx: _Chunked) -> torch.Tensor:
+            decoded.append(rowwise.decompress_rows(payload, ctx.rows))
+            return corrected.sub_(_join_rows(decoded[0], ctx.spec))
+
+        payload, ctx = compensated_compress(compressor, memory, key, tensor, compress, residual)
+        return Message(key, compressor, payload, replace(ctx, decoded=decoded[0]) if decoded else ctx)
+
+    @staticmethod
+    def _received(
+        rowwise: RowwiseCompressor, parts: Payload, ctx: _Chunked, rank: int
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """The rows received in stage 1 decompressed, in source rank order; this rank's own row is taken
+        from its encoding's decompression where error feedback computed it (the same values)."""
+        if ctx.decoded is None:
+            return rowwise.decompress_rows(parts, ctx.rows)
+        world_size = ctx.decoded.shape[0]
+        own = ctx.decoded[rank]
+        if world_size == 1:
+            return [own]
+        others = [torch.cat([part[:rank], part[rank + 1 :]]) for part in parts]
+        rows = list(rowwise.decompress_rows(others, ctx.rows).unbind(0))
+        rows.insert(rank, own)
+        return rows
 
     def exchange(
         self,
@@ -282,18 +310,21 @@ class TwoStageAllreduce(Communicator):
         launcher: OrderedLauncher,
     ) -> torch.futures.Future[list[torch.Tensor]]:
         world_size = comm.group_size(group)
+        rank = dist.get_rank(group)
         server_memory = memory if self.server_error_feedback else NoMemory()
         worker_parts = [part for message in messages for part in message.payload]
         worker_templates = [part[0] for part in worker_parts]
         rows = _pack_rows(worker_parts, world_size)
         received = launcher.launch(_all_to_all(rows, group), rows.device)
         reduced: list[tuple[Payload, Any]] = []  # stage 1's recompressed means, filled when it completes
+        # their decompressions where the server residual computed them: all that one rank gathers in stage 2
+        server_decoded: list[torch.Tensor] = []
 
         def reduce(fut: torch.futures.Future[torch.Tensor]) -> Launch:
             parts = _unpack_rows(fut.value(), worker_templates)
             for message, its_parts in zip(messages, _split_by_message(parts, messages), strict=True):
                 rowwise = self._rowwise(message.compressor)
-                mean = ordered_mean(rowwise.decompress_rows(its_parts, message.ctx.rows), world_size)
+                mean = ordered_mean(self._received(rowwise, its_parts, message.ctx, rank), world_size)
                 reduced.append(
                     compensated_compress(
                         rowwise,
@@ -301,13 +332,15 @@ class TwoStageAllreduce(Communicator):
                         message.key,
                         mean.unsqueeze(0),
                         rowwise.compress_rows,
-                        _subtracting(rowwise.decompress_rows),
+                        _subtracting(rowwise.decompress_rows, server_decoded),
                     )
                 )
             server_parts = [part for payload, _ in reduced for part in payload]
             return _all_gather(_pack_rows(server_parts, 1).view(-1), group)
 
         def decompress(fut: torch.futures.Future[torch.Tensor]) -> list[torch.Tensor]:
+            if world_size == 1 and len(server_decoded) == len(messages):  # gathered: this rank's rows alone
+                return [_join_rows(rows, message.ctx.spec) for message, rows in zip(messages, server_decoded, strict=True)]
             templates = [part[0] for payload, _ in reduced for part in payload]
             rows = _unpack_rows(fut.value().view(world_size, -1), templates)
             return [
