@@ -94,16 +94,18 @@ def safe_norm(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
 
 def safe_rms(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Root mean square (``||x||_2 / sqrt(n)``) without overflow or underflow (``keepdim`` along ``dim``)."""
-    peak = _max_abs(x, dim)
-    scaled = x / _nonzero(peak)
+    magnitude = x.abs()
+    peak = magnitude.amax() if dim is None else magnitude.amax(dim=dim, keepdim=True)
+    scaled = magnitude.div_(_nonzero(peak))  # |x| / peak: the same squares as x / peak
     squares = scaled.mul_(scaled)  # what square() computes, without its slower pow kernel
     return peak * (squares.mean() if dim is None else squares.mean(dim=dim, keepdim=True)).sqrt()
 
 
 def safe_mean_abs(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean magnitude (``||x||_1 / n``) without overflow (``keepdim`` along ``dim``)."""
-    peak = _max_abs(x, dim)
-    scaled = x.abs() / _nonzero(peak)
+    magnitude = x.abs()
+    peak = magnitude.amax() if dim is None else magnitude.amax(dim=dim, keepdim=True)
+    scaled = magnitude.div_(_nonzero(peak))
     return peak * (scaled.mean() if dim is None else scaled.mean(dim=dim, keepdim=True))
 
 
