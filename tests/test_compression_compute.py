@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gradcomm.compression import DGC, QSGD, Memory, NoMemory, RandomK, ResidualMemory, TernGrad, TopK
-from gradcomm.compression._numerics import ordered_mean
+from gradcomm.compression._numerics import ordered_mean, sparse_nonzero
 from gradcomm.compression.base import RowwiseCompressor
 from gradcomm.compression.communicators import TwoStageAllreduce, _join_rows, compensated_compress
 from gradcomm.compression.registry import methods
@@ -159,3 +159,12 @@ def test_ordered_mean_of_one_tensor_is_the_tensor():
     x = gradient((100,), torch.float32, 1)
     assert ordered_mean([x], 1) is x
     assert torch.equal(ordered_mean(torch.stack([x, 2 * x]), 2), x / 2 + 2 * x / 2)
+
+
+@pytest.mark.parametrize("length", [0, 1, 7, 8, 9, 64, 1000, 4099])
+@pytest.mark.parametrize("density", [0.0, 0.002, 0.05, 0.5, 1.0])
+def test_sparse_nonzero_is_nonzero(length, density):
+    generator = torch.Generator().manual_seed(length)
+    mask = torch.rand(length + 3, generator=generator) < density
+    for view in (mask[:length], mask[3:], mask[::2]):  # aligned, unaligned, strided
+        assert torch.equal(sparse_nonzero(view), view.nonzero().squeeze(1))
