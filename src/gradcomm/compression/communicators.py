@@ -213,8 +213,10 @@ class _Chunked:
 
 
 def _split_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` as ``rows`` rows, zero padded (a view where no padding is needed: compressors read it)."""
     flat = tensor.reshape(-1)
-    return torch.nn.functional.pad(flat, (0, -flat.numel() % rows)).view(rows, -1)
+    padding = -flat.numel() % rows
+    return (torch.nn.functional.pad(flat, (0, padding)) if padding else flat).view(rows, -1)
 
 
 def _join_rows(rows: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
