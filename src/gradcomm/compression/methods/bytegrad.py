@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from gradcomm.compression._numerics import as_uint8, decode_bits, safe_divide, work_dtype
+from gradcomm.compression._numerics import as_uint8, safe_divide, work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, RowwiseCompressor
 from gradcomm.compression.communicators import TwoStageAllreduce
 
@@ -46,7 +46,5 @@ class ByteGrad(
 
     def decompress_rows(self, payload: Payload, ctx: torch.dtype) -> torch.Tensor:
         codes, low, high = payload
-        # Each row's 256 code values (a convex combination: cannot overflow), then one lookup per code: the
-        # same values as computing the combination per element, in one pass instead of six.
-        position = torch.arange(_LEVELS + 1, dtype=low.dtype, device=low.device) / _LEVELS
-        return decode_bits(codes, 8, codes.shape[-1], (low * (1 - position) + high * position).to(ctx))
+        position = codes.to(low.dtype) / _LEVELS
+        return (low * (1 - position) + high * position).to(ctx)  # a convex combination: cannot overflow
