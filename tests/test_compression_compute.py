@@ -168,3 +168,22 @@ def test_sparse_nonzero_is_nonzero(length, density):
     mask = torch.rand(length + 3, generator=generator) < density
     for view in (mask[:length], mask[3:], mask[::2]):  # aligned, unaligned, strided
         assert torch.equal(sparse_nonzero(view), view.nonzero().squeeze(1))
+
+
+class _Failing(TopK):
+    def compress(self, tensor):
+        raise RuntimeError("compression failed")
+
+
+def test_compensation_adds_into_the_residual_and_a_failed_compression_drops_it():
+    memory, compressor = ResidualMemory(), TopK(0.01)
+    x = gradient((2048,), torch.float32, 0)
+    compensated_compress(compressor, memory, "w", x)
+    residual = memory.residuals["w"]
+    expected = x + residual
+    corrected = memory.compensate("w", x)
+    assert corrected is residual and torch.equal(bits(corrected), bits(expected))
+    with pytest.raises(RuntimeError, match="compression failed"):
+        compensated_compress(_Failing(0.01), memory, "w", x)
+    assert "w" not in memory.residuals  # it held this step's tensor: not counted twice
+    _UpdateOnly().discard("w")  # the default keeps what it holds

@@ -71,11 +71,15 @@ def compensated_compress(
     compress = compress or compressor.compress
     residual = residual or compressor.residual
     corrected = memory.compensate(key, tensor)
-    with compressor.stream(key):
-        payload, ctx = compress(corrected)
-    if memory.enabled:
-        owned = corrected.clone() if corrected is tensor else corrected  # the first step: no residual yet
-        memory.store(key, residual(owned, payload, ctx))
+    try:
+        with compressor.stream(key):
+            payload, ctx = compress(corrected)
+        if memory.enabled:
+            owned = corrected.clone() if corrected is tensor else corrected  # the first step: no residual yet
+            memory.store(key, residual(owned, payload, ctx))
+    except BaseException:
+        memory.discard(key)  # it may hold this step's tensor already: dropped rather than counted twice
+        raise
     return payload, ctx
 
 
