@@ -79,13 +79,12 @@ def test_sparse_residual_of_a_non_contiguous_tensor():
     assert torch.equal(compressor.residual(corrected.clone(), payload, ctx), expected)
 
 
-@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+@pytest.mark.parametrize("name", sorted(n for n in COMPRESSORS if not isinstance(COMPRESSORS[n](), DGC)))
 def test_compensated_compress_leaves_the_gradient_alone(name):
     """The first step (no residual yet) compresses the gradient itself: the in-place residual must work on a
-    copy. Two steps of error feedback give the dense formula's residuals."""
+    copy. Two steps of error feedback give the dense formula's residuals. (Not DGC, which keeps its own
+    buffers instead of error feedback.)"""
     compressor, memory = COMPRESSORS[name](), ResidualMemory()
-    if isinstance(compressor, DGC):
-        pytest.skip("DGC keeps its own buffers instead of error feedback")
     expected = None
     for step in range(3):
         x = gradient((2048,), torch.float32, step)
