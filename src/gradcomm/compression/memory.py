@@ -108,4 +108,5 @@ class ResidualMemory(Memory):
         return dict(self.residuals)
 
     def load_state_dict(self, state: dict[Hashable, Any]) -> None:
-        self.residuals = dict(state)
+        # copies: compensate adds into the residuals in place, which must not change the caller's checkpoint
+        self.residuals = {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
