@@ -186,3 +186,12 @@ def test_compensation_adds_into_the_residual_and_a_failed_compression_drops_it()
         compensated_compress(_Failing(0.01), memory, "w", x)
     assert "w" not in memory.residuals  # it held this step's tensor: not counted twice
     _UpdateOnly().discard("w")  # the default keeps what it holds
+
+
+def test_loaded_residuals_are_copies():
+    """compensate adds into the residual in place: a loaded checkpoint's tensors must not change with it."""
+    saved = {"w": torch.ones(4)}
+    memory = ResidualMemory()
+    memory.load_state_dict(saved)
+    assert torch.equal(memory.compensate("w", torch.full((4,), 2.0)), torch.full((4,), 3.0))
+    assert torch.equal(saved["w"], torch.ones(4))
