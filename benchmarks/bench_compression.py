@@ -8,13 +8,17 @@ interleaved (their order rotated every repetition, so drift on a shared machine 
 median over repetitions is reported with its ratio to allreduce's. Optionally (``--profile N``) the hooks
 are profiled with ``torch.profiler`` for a few steps; ``--hook-only`` times the hook alone instead (one call
 on all the model's gradients as one bucket, no model), the encoding and decoding cost without the noise of
-forward and backward and the top ``N`` operators by self CPU time printed. With ``--clock thread`` the hook
-alone is timed in CPU seconds of the calling thread (``time.thread_time``; the hook's torch operators run on
-it with one torch thread) instead of wall-clock seconds: far less disturbed by other processes on a shared
-machine, though not by their use of shared caches and memory bandwidth.
+forward and backward (with ``--profile N``: the top ``N`` operators by self CPU time over 10 hook calls).
+With ``--clock thread`` the hook alone is timed in CPU seconds of the calling thread (``time.thread_time``;
+the hook's torch operators run on it with one torch thread) instead of wall-clock seconds: far less disturbed
+by other processes on a shared machine, though not by their use of shared caches and memory bandwidth. It
+misses the work of a future's callbacks where the backend's thread runs them (decoding after a collective
+that completed before the callback was attached runs on the calling thread, else on gloo's): ``--clock
+process`` (``time.process_time``, every thread of the rank's process: the calling thread, gloo's, which are
+otherwise idle) counts that too.
 
     python benchmarks/bench_compression.py [--workloads cnn transformer] [--hooks allreduce topk ...]
-        [--reps 5] [--steps 8] [--warmup 5] [--threads 1] [--hook-only [--clock thread]]
+        [--reps 5] [--steps 8] [--warmup 5] [--threads 1] [--hook-only [--clock process]]
         [--profile 12 --profile-hooks onebit terngrad]
 
 Hooks default to allreduce and every registered method (:func:`gradcomm.compression.registry.methods`), each
@@ -58,7 +62,18 @@ def _measure(
     return seconds
 
 
-CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time, "process": time.process_time}
+
+
+def _one_bucket(workload_name: str) -> GradBucket:
+    """All the workload's gradients as one bucket of fixed random values."""
+    workload = WORKLOADS[workload_name]()
+    torch.manual_seed(0)
+    parameters = [p for p in workload.build_model().parameters() if p.requires_grad]
+    lengths = [p.numel() for p in parameters]
+    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    buffer = torch.randn(sum(lengths))
+    return GradBucket(0, buffer, offsets, lengths, [p.shape for p in parameters], parameters, is_last=True)
 
 
 def _hook_seconds(
@@ -69,13 +84,7 @@ def _hook_seconds(
     ``clock`` of :data:`CLOCKS`."""
     now = CLOCKS[clock]
     torch.set_num_threads(threads)
-    workload = WORKLOADS[workload_name]()
-    torch.manual_seed(0)
-    parameters = [p for p in workload.build_model().parameters() if p.requires_grad]
-    lengths = [p.numel() for p in parameters]
-    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
-    buffer = torch.randn(sum(lengths))
-    bucket = GradBucket(0, buffer, offsets, lengths, [p.shape for p in parameters], parameters, is_last=True)
+    bucket = _one_bucket(workload_name)
     seconds: dict[str, list[float]] = {hook: [] for hook in hooks}
     for rep in range(reps):
         shift = rep % len(hooks)
@@ -88,6 +97,21 @@ def _hook_seconds(
             fn(state, bucket).wait()
             seconds[hook].append(now() - start)
     return seconds
+
+
+def _hook_profile(workload_name: str, hook: str, calls: int, threads: int, rows: int) -> str:
+    """``torch.profiler``'s top ``rows`` operators by self CPU time over ``calls`` calls of ``hook`` on the
+    workload's gradients as one bucket (after two untimed calls)."""
+    torch.set_num_threads(threads)
+    bucket = _one_bucket(workload_name)
+    choice = HookChoice.parse(hook)
+    fn, state = make_comm_hook(choice.name, process_group=dist.group.WORLD, **dict(choice.options))
+    for _ in range(2):
+        fn(state, bucket).wait()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        for _ in range(calls):
+            fn(state, bucket).wait()
+    return profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
 def _profile(workload_name: str, hook: str, steps: int, warmup: int, threads: int, rows: int) -> str:
@@ -140,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         "--clock",
         choices=sorted(CLOCKS),
         default="wall",
-        help="with --hook-only: wall-clock seconds, or CPU seconds of the hook's thread",
+        help="with --hook-only: wall-clock seconds, CPU seconds of the hook's thread, or of its process",
     )
     parser.add_argument("--profile", type=int, default=0, help="print this many profiler rows per hook")
     parser.add_argument("--profile-hooks", nargs="+", default=[], help="hooks to profile (default: all)")
@@ -156,6 +180,14 @@ def main(argv: list[str] | None = None) -> None:
                 timeout=timeout,
             )
             print(_table(workload, seconds, "hook ms" if args.clock == "wall" else "hook CPU ms"), "\n", flush=True)
+            for hook in args.profile_hooks or (args.hooks if args.profile else []):
+                [table] = run_on_ranks(
+                    _hook_profile,
+                    world_size=1,
+                    args=(workload, hook, 10, args.threads, args.profile or 12),
+                    timeout=timeout,
+                )
+                print(f"#### profile: {workload}, {hook}, 10 hook calls\n```\n{table}```\n", flush=True)
             continue
         [seconds] = run_on_ranks(
             _measure,

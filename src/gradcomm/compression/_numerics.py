@@ -35,6 +35,7 @@ __all__ = [
     "safe_rms",
     "safe_std",
     "sparse_mean",
+    "sparse_nonzero",
     "sparse_to_dense",
     "top_magnitudes",
     "uniform_bits",
@@ -42,6 +43,7 @@ __all__ = [
     "unpack_bits",
     "unpack_signs",
     "work_dtype",
+    "zero_at",
 ]
 
 
@@ -61,8 +63,11 @@ _nonzero = nonzero_or_one
 
 def ordered_mean(tensors: Iterable[torch.Tensor], count: int) -> torch.Tensor:
     """Mean of ``count`` tensors (or rows of a tensor) summed in the given order, so that every rank computing
-    it gets identical bits; each is divided first, so the sum cannot overflow where the mean does not."""
+    it gets identical bits; each is divided first, so the sum cannot overflow where the mean does not. The mean
+    of one tensor is that tensor itself (not a copy)."""
     iterator = iter(tensors)
+    if count == 1:
+        return next(iterator)
     total = next(iterator) / count
     for tensor in iterator:
         total += tensor / count
@@ -90,16 +95,18 @@ def safe_norm(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
 
 def safe_rms(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Root mean square (``||x||_2 / sqrt(n)``) without overflow or underflow (``keepdim`` along ``dim``)."""
-    peak = _max_abs(x, dim)
-    scaled = x / _nonzero(peak)
+    magnitude = x.abs()
+    peak = magnitude.amax() if dim is None else magnitude.amax(dim=dim, keepdim=True)
+    scaled = magnitude.div_(_nonzero(peak))  # |x| / peak: the same squares as x / peak
     squares = scaled.mul_(scaled)  # what square() computes, without its slower pow kernel
     return peak * (squares.mean() if dim is None else squares.mean(dim=dim, keepdim=True)).sqrt()
 
 
 def safe_mean_abs(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean magnitude (``||x||_1 / n``) without overflow (``keepdim`` along ``dim``)."""
-    peak = _max_abs(x, dim)
-    scaled = x.abs() / _nonzero(peak)
+    magnitude = x.abs()
+    peak = magnitude.amax() if dim is None else magnitude.amax(dim=dim, keepdim=True)
+    scaled = magnitude.div_(_nonzero(peak))
     return peak * (scaled.mean() if dim is None else scaled.mean(dim=dim, keepdim=True))
 
 
@@ -288,10 +295,28 @@ def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
     sample = magnitudes[::stride]
     place = min(sample.numel(), -(-2 * k * sample.numel() // magnitudes.numel()) + 1)
     threshold = sample.topk(place, sorted=True).values[-1]
-    candidates = magnitudes.lt(threshold).logical_not_().nonzero().squeeze(1)  # NaN: not below, a candidate
+    not_below = magnitudes.lt(threshold).logical_not_()  # NaN: not below, a candidate
+    candidates = sparse_nonzero(not_below) if 64 * k <= magnitudes.numel() else not_below.nonzero().squeeze(1)
     if candidates.numel() < k:
         return magnitudes.topk(k, sorted=False).indices
     return candidates[magnitudes[candidates].topk(k, sorted=False).indices]
+
+
+def sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """The indices of a flat boolean ``mask``'s true elements in ascending order, as ``mask.nonzero()``, faster
+    where they are few: ``nonzero`` first finds the 8-byte words holding any (a scan of an eighth of the
+    elements), then searches those words alone (about 4x faster at 0.2% density, 10% at 2%, twice as slow
+    at 30%)."""
+    length = mask.numel()
+    head = length - length % 8
+    if mask.storage_offset() % 8 or not mask.is_contiguous():
+        mask = mask.clone()
+    words = mask[:head].view(torch.int64).nonzero().squeeze(1)
+    found = mask[:head].view(-1, 8)[words].nonzero()
+    indices = words[found[:, 0]].mul_(8).add_(found[:, 1])
+    if head == length:
+        return indices
+    return torch.cat([indices, mask[head:].nonzero().squeeze(1).add_(head)])
 
 
 def random_subset(numel: int, k: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -314,6 +339,13 @@ def random_subset(numel: int, k: int, generator: torch.Generator | None, device:
     positions = torch.arange(draws.numel(), device=device)
     first = torch.full_like(distinct, draws.numel()).scatter_reduce_(0, which, positions, "amin")
     return distinct[first.argsort()[:k]]
+
+
+def zero_at(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with the elements at flat ``indices`` set to 0: in place (and returned) where it is
+    contiguous, else in a contiguous copy."""
+    tensor = tensor.contiguous()
+    return tensor.view(-1).index_fill_(0, indices.long(), 0).view(tensor.shape)
 
 
 def sparse_to_dense(values: torch.Tensor, indices: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:

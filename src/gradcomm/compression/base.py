@@ -126,6 +126,17 @@ class Compressor(ABC):
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         """A tensor of the original shape and dtype from a payload (or, for allreduce, a sum of payloads)."""
 
+    def residual(self, corrected: torch.Tensor, payload: Payload, ctx: Any) -> torch.Tensor:
+        """What error feedback keeps after ``corrected`` was compressed to ``payload``: ``corrected -
+        decompress(payload, ctx)``.
+
+        ``corrected`` is the caller's to overwrite (never a gradient itself), once ``payload`` no longer
+        needs it: a method that sends some coordinates exactly and nothing of the rest (top-k, random-k
+        without rescaling) overrides this to zero the sent coordinates of ``corrected`` in place, the same
+        values for finite inputs without a dense decompression and subtraction.
+        """
+        return corrected - self.decompress(payload, ctx)
+
     def aggregate(self, gathered: Payload, ctx: Any) -> torch.Tensor:
         """The mean over ranks of decompressed payloads; each tensor of ``gathered`` has a leading rank axis.
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from gradcomm import comm
@@ -60,19 +61,25 @@ def compensated_compress(
     key: Hashable,
     tensor: torch.Tensor,
     compress: Callable[[torch.Tensor], tuple[Payload, Any]] | None = None,
-    decompress: Callable[[Payload, Any], torch.Tensor] | None = None,
+    residual: Callable[[torch.Tensor, Payload, Any], torch.Tensor] | None = None,
 ) -> tuple[Payload, Any]:
     """Compress ``tensor`` plus its residual and keep what the compression dropped as the next residual.
 
-    ``compress``/``decompress`` default to the compressor's; random draws come from ``key``'s stream.
+    ``compress`` and ``residual`` (``corrected - decompress(payload, ctx)``, :meth:`Compressor.residual`,
+    which may overwrite ``corrected``) default to the compressor's; random draws come from ``key``'s stream.
     """
     compress = compress or compressor.compress
-    decompress = decompress or compressor.decompress
+    residual = residual or compressor.residual
     corrected = memory.compensate(key, tensor)
-    with compressor.stream(key):
-        payload, ctx = compress(corrected)
-    if memory.enabled:
-        memory.update(key, corrected, decompress(payload, ctx))
+    try:
+        with compressor.stream(key):
+            payload, ctx = compress(corrected)
+        if memory.enabled:
+            owned = corrected.clone() if corrected is tensor else corrected  # the first step: no residual yet
+            memory.store(key, residual(owned, payload, ctx))
+    except BaseException:
+        memory.discard(key)  # it may hold this step's tensor already: dropped rather than counted twice
+        raise
     return payload, ctx
 
 
@@ -205,15 +212,32 @@ class _Chunked:
 
     spec: TensorSpec
     rows: Any
+    decoded: torch.Tensor | None = field(default=None, compare=False)
+    """This rank's payload decompressed, one row per rank, where its error feedback computed it."""
 
 
 def _split_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` as ``rows`` rows, zero padded (a view where no padding is needed: compressors read it)."""
     flat = tensor.reshape(-1)
-    return torch.nn.functional.pad(flat, (0, -flat.numel() % rows)).view(rows, -1)
+    padding = -flat.numel() % rows
+    return (torch.nn.functional.pad(flat, (0, padding)) if padding else flat).view(rows, -1)
 
 
 def _join_rows(rows: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     return rows.reshape(-1)[: spec.numel].view(spec.shape)
+
+
+def _subtracting(
+    decompress: Callable[[Payload, Any], torch.Tensor], kept: list[torch.Tensor]
+) -> Callable[[torch.Tensor, Payload, Any], torch.Tensor]:
+    """The residual ``corrected - decompress(payload, ctx)``, subtracted in place (row-wise codes and scales
+    never share ``corrected``'s memory); the decompressed tensor is appended to ``kept``, to be reused."""
+
+    def residual(corrected: torch.Tensor, payload: Payload, ctx: Any) -> torch.Tensor:
+        kept.append(decompress(payload, ctx))
+        return corrected.sub_(kept[-1])
+
+    return residual
 
 
 def _all_reduce(flat: torch.Tensor, group: ProcessGroup | None) -> Launch:
@@ -258,11 +282,31 @@ class TwoStageAllreduce(Communicator):
             payload, ctx = rowwise.compress_rows(_split_rows(corrected, world_size))
             return payload, _Chunked(TensorSpec.of(corrected), ctx)
 
-        def decompress(payload: Payload, ctx: _Chunked) -> torch.Tensor:
-            return _join_rows(rowwise.decompress_rows(payload, ctx.rows), ctx.spec)
+        decoded: list[torch.Tensor] = []
 
-        payload, ctx = compensated_compress(compressor, memory, key, tensor, compress, decompress)
-        return Message(key, compressor, payload, ctx)
+        def residual(corrected: torch.Tensor, payload: Payload, ctx: _Chunked) -> torch.Tensor:
+            decoded.append(rowwise.decompress_rows(payload, ctx.rows))
+            return corrected.sub_(_join_rows(decoded[0], ctx.spec))
+
+        payload, ctx = compensated_compress(compressor, memory, key, tensor, compress, residual)
+        return Message(key, compressor, payload, replace(ctx, decoded=decoded[0]) if decoded else ctx)
+
+    @staticmethod
+    def _received(
+        rowwise: RowwiseCompressor, parts: Payload, ctx: _Chunked, rank: int
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """The rows received in stage 1 decompressed, in source rank order; this rank's own row is taken
+        from its encoding's decompression where error feedback computed it (the same values)."""
+        if ctx.decoded is None:
+            return rowwise.decompress_rows(parts, ctx.rows)
+        world_size = ctx.decoded.shape[0]
+        own = ctx.decoded[rank]
+        if world_size == 1:
+            return [own]
+        others = [torch.cat([part[:rank], part[rank + 1 :]]) for part in parts]
+        rows = list(rowwise.decompress_rows(others, ctx.rows).unbind(0))
+        rows.insert(rank, own)
+        return rows
 
     def exchange(
         self,
@@ -272,18 +316,21 @@ class TwoStageAllreduce(Communicator):
         launcher: OrderedLauncher,
     ) -> torch.futures.Future[list[torch.Tensor]]:
         world_size = comm.group_size(group)
+        rank = dist.get_rank(group)
         server_memory = memory if self.server_error_feedback else NoMemory()
         worker_parts = [part for message in messages for part in message.payload]
         worker_templates = [part[0] for part in worker_parts]
         rows = _pack_rows(worker_parts, world_size)
         received = launcher.launch(_all_to_all(rows, group), rows.device)
         reduced: list[tuple[Payload, Any]] = []  # stage 1's recompressed means, filled when it completes
+        # their decompressions where the server residual computed them: all that one rank gathers in stage 2
+        server_decoded: list[torch.Tensor] = []
 
         def reduce(fut: torch.futures.Future[torch.Tensor]) -> Launch:
             parts = _unpack_rows(fut.value(), worker_templates)
             for message, its_parts in zip(messages, _split_by_message(parts, messages), strict=True):
                 rowwise = self._rowwise(message.compressor)
-                mean = ordered_mean(rowwise.decompress_rows(its_parts, message.ctx.rows), world_size)
+                mean = ordered_mean(self._received(rowwise, its_parts, message.ctx, rank), world_size)
                 reduced.append(
                     compensated_compress(
                         rowwise,
@@ -291,13 +338,15 @@ class TwoStageAllreduce(Communicator):
                         message.key,
                         mean.unsqueeze(0),
                         rowwise.compress_rows,
-                        rowwise.decompress_rows,
+                        _subtracting(rowwise.decompress_rows, server_decoded),
                     )
                 )
             server_parts = [part for payload, _ in reduced for part in payload]
             return _all_gather(_pack_rows(server_parts, 1).view(-1), group)
 
         def decompress(fut: torch.futures.Future[torch.Tensor]) -> list[torch.Tensor]:
+            if world_size == 1 and len(server_decoded) == len(messages):  # gathered: this rank's rows alone
+                return [_join_rows(rows, message.ctx.spec) for message, rows in zip(messages, server_decoded, strict=True)]
             templates = [part[0] for payload, _ in reduced for part in payload]
             rows = _unpack_rows(fut.value().view(world_size, -1), templates)
             return [

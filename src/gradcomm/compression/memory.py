@@ -1,9 +1,11 @@
 """Error feedback: what compression dropped this step is added back to the gradient the next step.
 
 ``compensate`` adds the stored residual to a tensor before it is compressed; ``update`` stores the new
-residual ``corrected - sent``, so that, summed over steps, everything a rank ever put in is either sent or
-still held: ``sum(sent) + residual == sum(gradients)``. One residual per compressed tensor: one
-gradient-sized buffer in all.
+residual ``corrected - sent`` (or ``store`` a residual computed by the caller), so that, summed over steps,
+everything a rank ever put in is either sent or still held: ``sum(sent) + residual == sum(gradients)``. One
+residual per compressed tensor: one gradient-sized buffer in all. :class:`ResidualMemory` adds in place, into
+that buffer, which is the compensated tensor until the step's residual is stored (``discard`` drops it if the
+compression failed in between).
 Keys are whatever identifies a tensor from step to step (the hook uses one per parameter).
 """
 
@@ -25,11 +27,24 @@ class Memory(ABC):
 
     @abstractmethod
     def compensate(self, key: Hashable, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` plus the residual stored for ``key``; ``tensor`` itself is not modified."""
+        """``tensor`` plus the residual stored for ``key``; ``tensor`` itself is not modified. The result may
+        be the memory's own buffer (then the caller may overwrite it, and stores this step's residual by
+        :meth:`update` or :meth:`store`, or calls :meth:`discard`)."""
 
     @abstractmethod
     def update(self, key: Hashable, corrected: torch.Tensor, sent: torch.Tensor) -> None:
         """Store ``corrected - sent``: what this step's compression left out."""
+
+    def store(self, key: Hashable, residual: torch.Tensor) -> None:
+        """Store ``residual`` itself as what this step's compression left out; the memory may keep the tensor
+        (the caller hands it over) rather than copy it."""
+        self.update(key, residual, torch.zeros_like(residual))
+
+    def discard(self, key: Hashable) -> None:
+        """Forget ``key``'s residual: its compression failed between :meth:`compensate` and storing, so what
+        is held may already include this step's tensor. By default nothing: a memory whose ``compensate``
+        returns a new tensor still holds the last residual, which is right."""
+        return None
 
     def state_dict(self) -> dict[Hashable, torch.Tensor]:
         return {}
@@ -49,6 +64,9 @@ class NoMemory(Memory):
         return tensor
 
     def update(self, key: Hashable, corrected: torch.Tensor, sent: torch.Tensor) -> None:
+        pass
+
+    def store(self, key: Hashable, residual: torch.Tensor) -> None:
         pass
 
 
@@ -71,7 +89,7 @@ class ResidualMemory(Memory):
             )
         if residual.device != tensor.device or residual.dtype != tensor.dtype:
             residual = self.residuals[key] = residual.to(tensor.device, tensor.dtype)
-        return tensor + residual
+        return residual.add_(tensor)  # the same sums as tensor + residual, without a new buffer per step
 
     def update(self, key: Hashable, corrected: torch.Tensor, sent: torch.Tensor) -> None:
         residual = self.residuals.get(key)
@@ -80,8 +98,15 @@ class ResidualMemory(Memory):
         else:
             torch.sub(corrected, sent, out=residual)
 
+    def store(self, key: Hashable, residual: torch.Tensor) -> None:
+        self.residuals[key] = residual
+
+    def discard(self, key: Hashable) -> None:
+        self.residuals.pop(key, None)
+
     def state_dict(self) -> dict[Hashable, torch.Tensor]:
         return dict(self.residuals)
 
     def load_state_dict(self, state: dict[Hashable, Any]) -> None:
-        self.residuals = dict(state)
+        # copies: compensate adds into the residuals in place, which must not change the caller's checkpoint
+        self.residuals = {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in state.items()}

@@ -103,7 +103,7 @@ class DGC(Compressor, name="dgc", summary="Deep Gradient Compression: momentum-c
         key = _STREAM_KEY.get()
         u, v = self._buffers(key, tensor)
         # New tensors every step, never changed once stored: an earlier state_dict() keeps its values.
-        u = flat.clone() if self.momentum == 0 else u.reshape(-1) * self.momentum + flat
+        u = flat.clone() if self.momentum == 0 else (u.reshape(-1) * self.momentum).add_(flat)
         v = v.reshape(-1) + u
         indices = top_magnitudes(v, k)
         values = v[indices]

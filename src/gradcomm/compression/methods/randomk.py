@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from gradcomm.compression._numerics import random_subset, work_dtype
+from gradcomm.compression._numerics import random_subset, work_dtype, zero_at
 from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompressor, TensorSpec
 from gradcomm.compression.communicators import ALLREDUCE
 
@@ -62,3 +62,13 @@ class RandomK(
         values = (payload[0].to(work_dtype(spec.dtype)) * scale).clamp_(-largest, largest).to(spec.dtype)
         dense = torch.zeros(spec.numel, dtype=spec.dtype, device=values.device)
         return dense.index_copy_(0, indices, values).view(spec.shape)
+
+    def residual(
+        self, corrected: torch.Tensor, payload: Payload, ctx: tuple[torch.Tensor, TensorSpec, float]
+    ) -> torch.Tensor:
+        """Unscaled (``unbiased=False``): ``corrected`` with the sent coordinates zeroed in place, which is
+        ``corrected - decompress(payload)`` for finite values; rescaled values take the dense formula."""
+        indices, spec, scale = ctx
+        if scale != 1.0:
+            return super().residual(corrected, payload, ctx)
+        return zero_at(corrected, indices)

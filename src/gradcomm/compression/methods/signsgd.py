@@ -38,6 +38,8 @@ class SignSGD(Compressor, name="signsgd", summary="signSGD with majority vote"):
         return unpack_signs(payload[0], ctx.numel, ctx.dtype).view(ctx.shape)
 
     def aggregate(self, gathered: Payload, ctx: TensorSpec) -> torch.Tensor:
+        if gathered[0].shape[0] == 1:  # one rank: the vote is its signs
+            return self.decompress([gathered[0][0]], ctx)
         # Row by row: a reduction over the leading (rank) axis is several times slower; exact up to 2**24 ranks.
         votes = functools.reduce(torch.add, unpack_signs(gathered[0], ctx.numel, work_dtype(ctx.dtype)).unbind(0))
         return votes.sign().to(ctx.dtype).view(ctx.shape)

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from gradcomm.compression._numerics import index_dtype, sparse_mean, sparse_to_dense, top_magnitudes
+from gradcomm.compression._numerics import index_dtype, sparse_mean, sparse_to_dense, top_magnitudes, zero_at
 from gradcomm.compression.base import Compressor, ErrorFeedback, Payload, TensorSpec
 from gradcomm.compression.communicators import ALLGATHER
 
@@ -49,6 +49,11 @@ class TopK(Compressor, name="topk", summary="top-k sparsification, error feedbac
     def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
         values, indices = payload
         return sparse_to_dense(values, indices, ctx.numel, ctx.dtype).view(ctx.shape)
+
+    def residual(self, corrected: torch.Tensor, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
+        """``corrected`` with its sent coordinates zeroed in place: ``corrected - decompress(payload)`` for
+        finite values (a sent infinity or NaN leaves 0, where the subtraction leaves NaN)."""
+        return zero_at(corrected, payload[1])
 
     def aggregate(self, gathered: Payload, ctx: TensorSpec) -> torch.Tensor:
         values, indices = gathered
