@@ -39,7 +39,7 @@ from gradcomm.bench.timing import timed_step  # noqa: E402
 _UNDER_VALGRIND = "GRADCOMM_CALLGRIND_CHILD"
 
 
-def _steps(shape: str, kind: str, steps: int, profile: bool) -> None:
+def _steps(shape: str, kind: str, steps: int, profile: bool, copies: bool) -> None:
     """Build the model and the DDP on a one-rank group, warm up, then run ``steps`` counted steps."""
     torch.set_num_threads(1)
     builder, width, depth = SHAPES[shape]
@@ -49,7 +49,7 @@ def _steps(shape: str, kind: str, steps: int, profile: bool) -> None:
         try:
             module = copy.deepcopy(builder(width, depth))
             ddp_class = gradcomm.DistributedDataParallel if kind == "gradcomm" else nn.parallel.DistributedDataParallel
-            ddp = ddp_class(module)
+            ddp = ddp_class(module, gradient_as_bucket_view=False) if copies else ddp_class(module)
             optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
             g = torch.Generator().manual_seed(0)
             x, y = torch.randn(32, width, generator=g), torch.randint(0, 10, (32,), generator=g)
@@ -90,6 +90,7 @@ def _callgrind(args: argparse.Namespace) -> int:
             args.ddp,
             "--steps",
             str(args.steps),
+            *(["--copies"] if args.copies else []),
         ]
         env = {**os.environ, _UNDER_VALGRIND: "1", "PYTHONHASHSEED": "0"}
         subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -98,8 +99,9 @@ def _callgrind(args: argparse.Namespace) -> int:
             raise SystemExit("callgrind wrote no dump at getpgrp: was the marker call renamed in this libc?")
         totals = [line for line in dumps[0].read_text().splitlines() if line.startswith(("summary:", "totals:"))]
         instructions = int(totals[0].split()[1])
+    setting = ", gradient_as_bucket_view=False" if args.copies else ""
     print(
-        f"{args.ddp} DDP, shape {args.shape}, {args.steps} steps: {instructions / args.steps / 1e6:.2f}M "
+        f"{args.ddp} DDP{setting}, shape {args.shape}, {args.steps} steps: {instructions / args.steps / 1e6:.2f}M "
         "instructions per step"
     )
     return 0
@@ -111,9 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ddp", choices=["gradcomm", "torch"], default="gradcomm")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--cprofile", action="store_true", help="print cProfile's top functions instead")
+    parser.add_argument(
+        "--copies", action="store_true", help="gradient_as_bucket_view=False (gradcomm's default makes views)"
+    )
     args = parser.parse_args(argv)
     if args.cprofile or os.environ.get(_UNDER_VALGRIND):
-        _steps(args.shape, args.ddp, args.steps, args.cprofile)
+        _steps(args.shape, args.ddp, args.steps, args.cprofile, args.copies)
         return 0
     return _callgrind(args)
 
