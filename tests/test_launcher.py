@@ -84,6 +84,7 @@ def test_two_stage_exchange_returns_at_once_and_keeps_its_second_stage_in_order(
 
     sent: list[torch.Tensor] = []
     monkeypatch.setattr(comm, "group_size", lambda group=None: world_size)
+    monkeypatch.setattr(comm, "group_rank", lambda group=None: 0)
     monkeypatch.setattr(comm, "all_to_all_single", all_to_all)
     monkeypatch.setattr(comm, "all_gather_into_tensor", all_gather)
     communicator, compressor, memory = TwoStageAllreduce(), ByteGrad(), NoMemory()

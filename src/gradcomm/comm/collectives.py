@@ -36,6 +36,7 @@ __all__ = [
     "bytes_by_kind",
     "collective_device",
     "counting_into",
+    "group_rank",
     "group_size",
     "group_wire_bytes",
     "reduce_scatter_tensor",
@@ -178,6 +179,11 @@ def collective_device(group: ProcessGroup | None) -> torch.device:
 def group_size(group: ProcessGroup | None) -> int:
     """World size of ``group`` (the default group when ``None``)."""
     return dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    """This process's rank within ``group`` (the default group when ``None``)."""
+    return dist.get_rank(group)
 
 
 def all_reduce(

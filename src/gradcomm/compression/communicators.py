@@ -24,7 +24,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from gradcomm import comm
@@ -316,7 +315,7 @@ class TwoStageAllreduce(Communicator):
         launcher: OrderedLauncher,
     ) -> torch.futures.Future[list[torch.Tensor]]:
         world_size = comm.group_size(group)
-        rank = dist.get_rank(group)
+        rank = comm.group_rank(group)
         server_memory = memory if self.server_error_feedback else NoMemory()
         worker_parts = [part for message in messages for part in message.payload]
         worker_templates = [part[0] for part in worker_parts]
