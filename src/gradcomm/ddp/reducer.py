@@ -290,7 +290,8 @@ class Reducer(ReducerSurface):
                 view = bucket.views[position]
                 view.copy_(grad)
                 self._params[index].grad = view
-                bucket.handed_out()
+        if old_grads:
+            self._note_views_handed_out()
         self._reset_iteration()
         logger.debug("rebuilt %d buckets in gradient-ready order", len(self._buckets))
 
@@ -470,7 +471,12 @@ class Reducer(ReducerSurface):
             if not peer_lost:  # after a lost peer the remaining collectives can only time out one by one
                 self._drain_futures()
             self._futures = [None] * len(self._buckets)
-        for bucket in self._buckets:  # only now: the futures' values may have been further views of the buffer
+        self._note_views_handed_out()  # only now: the futures' values may have been further views of the buffers
+
+    def _note_views_handed_out(self) -> None:
+        """The buckets' views are now ``.grad``: each bucket records what refers to its memory (see
+        :meth:`Bucket.seen_by_user`)."""
+        for bucket in self._buckets:
             if bucket.grads_are_views:
                 bucket.handed_out()
 
