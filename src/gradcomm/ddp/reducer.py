@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from gradcomm.comm.collectives import collective_device
 from gradcomm.comm.faults import PeerLostError, reporting_lost_peers
 from gradcomm.comm.futures import wait_quietly
 from gradcomm.ddp.bucketing import (
@@ -271,7 +272,7 @@ class Reducer(ReducerSurface):
         return self._as_view
 
     def _rebuild_in_order(self, ready_order: list[int], broadcast: bool = True, source_rank: int = 0) -> None:
-        order = torch.tensor(ready_order, dtype=torch.int64)
+        order = torch.tensor(ready_order, dtype=torch.int64, device=collective_device(self._group))
         if broadcast:  # one rank's order (rank 0's), so that every rank has the same buckets
             src = dist.get_global_rank(self._group or dist.group.WORLD, source_rank)
             dist.broadcast(order, src=src, group=self._group)
@@ -539,7 +540,8 @@ class Reducer(ReducerSurface):
         with reporting_lost_peers(step, "after the last bucket (used-parameter map, telemetry)", self._group):
             globally_used = None
             if locally_used is not None:
-                reduced = locally_used.clone()  # the local flags are kept for the static-graph record
+                # a copy (on the device NCCL needs): the local flags are kept for the static-graph record
+                reduced = locally_used.to(collective_device(self._group), copy=True)
                 dist.all_reduce(reduced, group=self._group)
                 globally_used = reduced.tolist()
             for bucket, result in zip(self._buckets, results, strict=True):
