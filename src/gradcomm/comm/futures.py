@@ -30,11 +30,30 @@ def completed(value: T) -> torch.futures.Future[T]:
     return future
 
 
-def when_all(futures: Sequence[torch.futures.Future[Any]]) -> torch.futures.Future[list[Any]]:
-    """A future of the values of ``futures``, in order; it fails with the first of them that fails."""
+def when_all(futures: Sequence[torch.futures.Future[Any]], device: torch.device) -> torch.futures.Future[list[Any]]:
+    """A future of the values of ``futures``, in order, whose tensors live on ``device``; it fails with the
+    first of them that fails.
+
+    On CUDA it is a CUDA-aware future, which ``torch.futures.collect_all``'s is not: a callback chained to it
+    with ``.then`` runs on a stream that waits for the collectives' work, and whoever waits for that
+    callback's result waits for its kernels too. Chained to ``collect_all`` directly, the callback's kernels
+    run on whatever stream the completing thread has, and a reader of the result on another stream can see
+    the bucket before they have written it (found on 2 gloo ranks with CUDA tensors: replicas diverged).
+    """
     if len(futures) == 1:
         return futures[0].then(lambda fut: [fut.value()])
-    return torch.futures.collect_all(list(futures)).then(lambda fut: [each.value() for each in fut.value()])
+    result = new_future(device)
+
+    def finish(all_done: torch.futures.Future[list[torch.futures.Future[Any]]]) -> None:
+        try:
+            values = [each.value() for each in all_done.value()]  # on CUDA: the current stream waits for each
+        except Exception as exc:
+            result.set_exception(exc)
+        else:
+            result.set_result(values)  # on CUDA: marked complete on the current stream
+
+    torch.futures.collect_all(list(futures)).add_done_callback(finish)
+    return result
 
 
 def future_of(work: dist.Work, result: T) -> torch.futures.Future[T]:

@@ -172,7 +172,7 @@ class Allreduce(Communicator):
                 for message, payload in zip(messages, _split_by_message(in_order, messages), strict=True)
             ]
 
-        return when_all(futures).then(decompress)
+        return when_all(futures, flats[0].device).then(decompress)
 
 
 @dataclass(frozen=True)

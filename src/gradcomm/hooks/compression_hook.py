@@ -183,7 +183,7 @@ def compressed_allreduce_hook(
         flat = torch.cat([averaged[position].reshape(-1) for position in range(len(gradients))])
         return flat.to(buffer.dtype).view(buffer.shape)
 
-    result = when_all(futures).then(assemble)
+    result = when_all(futures, buffer.device).then(assemble)
     if bucket.is_last():  # DDP's own collectives after the last bucket must come after all of the hook's
         state._launcher.wait_until_launched()
     return result

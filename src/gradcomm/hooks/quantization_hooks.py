@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from gradcomm import comm
+from gradcomm.comm.futures import when_all
 
 __all__ = ["quantization_perchannel_hook", "quantization_pertensor_hook"]
 
@@ -85,16 +86,17 @@ def _quantized_allgather_mean(
     qparams_fut = comm.all_gather_into_tensor(qparams, process_group)
     quantized_fut = comm.all_gather_into_tensor(_quantize(channels, *qparams), process_group)
 
-    def dequantize_and_average(_: torch.futures.Future[list[torch.futures.Future]]) -> torch.Tensor:
-        all_qparams = qparams_fut.value().view(world_size, *qparams.shape)
-        all_quantized = quantized_fut.value().view(world_size, *channels.shape)
+    def dequantize_and_average(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        gathered_qparams, gathered = fut.value()
+        all_qparams = gathered_qparams.view(world_size, *qparams.shape)
+        all_quantized = gathered.view(world_size, *channels.shape)
         total = torch.zeros_like(channels)
         for (scale, zero_point), quantized in zip(all_qparams, all_quantized, strict=True):
             total += _dequantize(quantized, scale, zero_point)
         mean = total.view(-1)[: buffer.numel()] / world_size
         return buffer.copy_(mean)
 
-    return torch.futures.collect_all([qparams_fut, quantized_fut]).then(dequantize_and_average)
+    return when_all([qparams_fut, quantized_fut], buffer.device).then(dequantize_and_average)
 
 
 def quantization_pertensor_hook(

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomm import comm
+from gradcomm.comm.futures import when_all
 from gradcomm.hooks.powersgd import kernel
 from gradcomm.hooks.powersgd.state import (
     BucketKeys,
@@ -232,9 +233,8 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
 
         pending.append(_sum_p_then_q(state, p_memory, q_memory, compute_qs))
 
-    def decompress(fut: torch.futures.Future[list[torch.futures.Future[torch.Tensor]]]) -> torch.Tensor:
-        for done in fut.value():
-            done.value()
+    def decompress(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        fut.value()  # re-raises a collective's error
         q_memory.div_(world_size)
         for batch, p, q, m in zip(plan.batches, ps, qs, matrices, strict=True):
             batch.decompress(p, q, m, buffer)
@@ -244,7 +244,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
             source.sub_(buffer)
         return buffer
 
-    result = torch.futures.collect_all(pending).then(decompress)
+    result = when_all(pending, buffer.device).then(decompress)
     _end_call(state, bucket)
     return result
 
