@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+
+# Where the suites that compare numbers (test_properties, test_ddp_vs_torch) run. By default on CPU tensors
+# over gloo, as in CI. On a machine with a GPU, GRADCOMM_TEST_DEVICE=cuda runs them on CUDA tensors (gloo's
+# CUDA path, every rank on the current device); GRADCOMM_TEST_BACKEND=nccl with GRADCOMM_TEST_WORLD_SIZES=1
+# runs them on a one-rank NCCL group (NCCL needs a GPU per rank).
+TEST_DEVICE = torch.device(os.environ.get("GRADCOMM_TEST_DEVICE", "cpu"))
+TEST_BACKEND = os.environ.get("GRADCOMM_TEST_BACKEND", "gloo")
+
+
+def world_sizes_to_test(default: tuple[int, ...] = (2, 3)) -> tuple[int, ...]:
+    """The world sizes to spawn: ``GRADCOMM_TEST_WORLD_SIZES`` (comma-separated) or ``default``."""
+    chosen = os.environ.get("GRADCOMM_TEST_WORLD_SIZES")
+    return tuple(int(n) for n in chosen.split(",")) if chosen else default
 
 
 def flat_parameters(module: torch.nn.Module) -> np.ndarray:

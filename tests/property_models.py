@@ -139,8 +139,9 @@ class PropertyModel(nn.Module):
             self._branches.append((index, projection, mask, readout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(x.shape[0], dtype=torch.float64)
-        for index, projection, mask, readout in self._branches:
+        out = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
+        for index, *constants in self._branches:
+            projection, mask, readout = (c.to(x.device) for c in constants)  # not buffers: DDP would sync them
             weight = self.weights[index]
             shape = tuple(weight.shape)
             z = (x.to(projection.dtype) @ projection).reshape(x.shape[0], *_branch_input_shape(shape)) * mask

@@ -72,9 +72,11 @@ import gradcomm
 from gradcomm.compression.registry import method_options, methods
 from gradcomm.hooks.registry import hook_names, make_comm_hook, resolve_hook_name
 from gradcomm.testing import RankError, run_on_ranks
+from tests.helpers import TEST_BACKEND, TEST_DEVICE, world_sizes_to_test
 from tests.property_models import ModelSpec, PropertyModel, batch, full_feature_spec, model_specs
 
-WORLD_SIZES = (2, 3)
+# Gloo on CPU tensors unless GRADCOMM_TEST_DEVICE / _BACKEND / _WORLD_SIZES say otherwise (tests.helpers).
+DEVICE, BACKEND, WORLD_SIZES = TEST_DEVICE, TEST_BACKEND, world_sizes_to_test()
 EXAMPLES = int(os.environ.get("GRADCOMM_PROPERTY_EXAMPLES", "3"))  # generated, per hook and world size
 SHRINK = os.environ.get("GRADCOMM_PROPERTY_SHRINK", "") not in ("", "0")
 EXAMPLE_TIMEOUT = 10.0  # seconds: the timeout of each example's subgroup
@@ -313,7 +315,7 @@ def explicit_case(hook: str, bucket_cap_mb: float) -> Case:
 
 
 def _digest(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.detach().contiguous().numpy().tobytes()).hexdigest()
+    return hashlib.sha256(tensor.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
 def _nonfinite(named: list[tuple[str, torch.Tensor | None]]) -> list[str]:
@@ -331,7 +333,7 @@ def _run_step(
     """One training step on this rank; what the checks need, as plain values."""
     rank = dist.get_rank()
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    x, y = batch(case.spec.seed, rank, step)
+    x, y = (t.to(DEVICE) for t in batch(case.spec.seed, rank, step))
     report: dict[str, Any] = {}
     local: list[torch.Tensor] | None = None
     if expect.reduction is not None:
@@ -357,8 +359,8 @@ def _run_step(
         ]
     elif expect.reduction == "mean":
         assert local is not None
-        report["local"] = [g.detach().numpy().copy() for g in local]
-        report["reduced"] = [g.numpy().copy() for g in reduced]
+        report["local"] = [g.detach().cpu().numpy() for g in local]
+        report["reduced"] = [g.cpu().numpy() for g in reduced]
     optimizer.step()
     report["nonfinite"] += _nonfinite([(name, p) for name, p in model.named_parameters()])
     report["params"] = [_digest(p) for _, p in model.named_parameters()]
@@ -396,7 +398,7 @@ def _mean_failure(reports: list[dict[str, Any]], names: list[str], expect: Expec
 def _difference(tensor: torch.Tensor, what: str) -> str:
     """Gather ``tensor`` from every rank (a collective) and describe how the ranks' values differ."""
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, tensor.detach().numpy().copy())
+    dist.all_gather_object(everyone, tensor.detach().cpu().numpy().copy())
     reference = np.asarray(everyone[0], dtype=np.float64)
     lines = [f"{what} {list(tensor.shape)} ({tensor.dtype}) differs between ranks:"]
     for rank, value in enumerate(everyone[1:], start=1):
@@ -468,11 +470,11 @@ def run_case(hook: str, case: Case) -> str | None:
 def _run_case(hook: str, case: Case, where: str) -> str | None:
     world_size = dist.get_world_size()
     dist.barrier()  # the previous example has ended on every rank
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=EXAMPLE_TIMEOUT))
+    group = dist.new_group(backend=BACKEND, timeout=datetime.timedelta(seconds=EXAMPLE_TIMEOUT))
     _SUBGROUPS.append(group)
     report: dict[str, Any] = {"where": where}
     try:
-        model = PropertyModel(case.spec)
+        model = PropertyModel(case.spec).to(DEVICE)
         ddp = gradcomm.DistributedDataParallel(
             model, process_group=group, bucket_cap_mb=case.bucket_cap_mb, gradient_as_bucket_view=case.bucket_view
         )
@@ -586,6 +588,7 @@ def property_results() -> dict[int, list[dict[str, dict[str, Any]]] | RankError]
                 check_every_hook,
                 world_size,
                 args=(hook_names(), EXAMPLES, SHRINK),
+                backend=BACKEND,
                 timeout=RUN_TIMEOUT,
                 collective_timeout=60.0,
             )
