@@ -17,9 +17,13 @@ that completed before the callback was attached runs on the calling thread, else
 process`` (``time.process_time``, every thread of the rank's process: the calling thread, gloo's, which are
 otherwise idle) counts that too.
 
+On a machine with a GPU, ``--device cuda`` puts the workload, its gradients and the hooks on the GPU (each
+timing ends with ``torch.cuda.synchronize()``), and ``--backend nccl`` makes the one-rank group an NCCL one
+(``--profile`` without ``--hook-only`` still profiles on the CPU).
+
     python benchmarks/bench_compression.py [--workloads cnn transformer] [--hooks allreduce topk ...]
         [--reps 5] [--steps 8] [--warmup 5] [--threads 1] [--hook-only [--clock process]]
-        [--profile 12 --profile-hooks onebit terngrad]
+        [--profile 12 --profile-hooks onebit terngrad] [--device cuda --backend nccl]
 
 Hooks default to allreduce and every registered method (:func:`gradcomm.compression.registry.methods`), each
 with its defaults; ``name:key=value`` sets options as in ``gradcomm bench --hooks``.
@@ -34,7 +38,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from gradcomm.bench.runner import BenchConfig, HookChoice, _compute_seconds, _train_step, _wrapped
+from gradcomm.bench.runner import (
+    BenchConfig,
+    HookChoice,
+    _compute_seconds,
+    _synchronize,
+    _train_step,
+    _wrapped,
+)
 from gradcomm.bench.workloads import WORKLOADS
 from gradcomm.compression.registry import methods
 from gradcomm.hooks.grad_bucket import GradBucket
@@ -45,13 +56,13 @@ BASELINE = "allreduce"
 
 
 def _measure(
-    workload_name: str, hooks: list[str], reps: int, steps: int, warmup: int, threads: int
+    workload_name: str, hooks: list[str], reps: int, steps: int, warmup: int, threads: int, device: str = "cpu"
 ) -> dict[str, list[float]]:
     """Per hook, its compute seconds of each repetition (this process is the only rank of its group)."""
     torch.set_num_threads(threads)
-    workload = WORKLOADS[workload_name]()
+    workload = WORKLOADS[workload_name](device=device)
     choices = [HookChoice.parse(hook) for hook in hooks]
-    config = BenchConfig(workload=workload_name, warmup=warmup, calibration_steps=steps)
+    config = BenchConfig(workload=workload_name, warmup=warmup, calibration_steps=steps, device=device)
     torch.manual_seed(config.seed)
     model = workload.build_model()
     seconds: dict[str, list[float]] = {hook: [] for hook in hooks}
@@ -65,26 +76,26 @@ def _measure(
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time, "process": time.process_time}
 
 
-def _one_bucket(workload_name: str) -> GradBucket:
+def _one_bucket(workload_name: str, device: str = "cpu") -> GradBucket:
     """All the workload's gradients as one bucket of fixed random values."""
-    workload = WORKLOADS[workload_name]()
+    workload = WORKLOADS[workload_name](device=device)
     torch.manual_seed(0)
     parameters = [p for p in workload.build_model().parameters() if p.requires_grad]
     lengths = [p.numel() for p in parameters]
     offsets = [sum(lengths[:i]) for i in range(len(lengths))]
-    buffer = torch.randn(sum(lengths))
+    buffer = torch.randn(sum(lengths), device=device)
     return GradBucket(0, buffer, offsets, lengths, [p.shape for p in parameters], parameters, is_last=True)
 
 
 def _hook_seconds(
-    workload_name: str, hooks: list[str], reps: int, threads: int, clock: str = "wall"
+    workload_name: str, hooks: list[str], reps: int, threads: int, clock: str = "wall", device: str = "cpu"
 ) -> dict[str, list[float]]:
     """Per hook, seconds of one call of the hook on all the workload's gradients as one bucket (fixed random
     values, a fresh hook state per repetition after two untimed calls): encoding and decoding alone, on the
-    ``clock`` of :data:`CLOCKS`."""
+    ``clock`` of :data:`CLOCKS` (on a GPU, after the device has finished the hook's work)."""
     now = CLOCKS[clock]
     torch.set_num_threads(threads)
-    bucket = _one_bucket(workload_name)
+    bucket = _one_bucket(workload_name, device)
     seconds: dict[str, list[float]] = {hook: [] for hook in hooks}
     for rep in range(reps):
         shift = rep % len(hooks)
@@ -93,24 +104,31 @@ def _hook_seconds(
             fn, state = make_comm_hook(choice.name, process_group=dist.group.WORLD, **dict(choice.options))
             for _ in range(2):
                 fn(state, bucket).wait()
+            _synchronize(device)
             start = now()
             fn(state, bucket).wait()
+            _synchronize(device)
             seconds[hook].append(now() - start)
     return seconds
 
 
-def _hook_profile(workload_name: str, hook: str, calls: int, threads: int, rows: int) -> str:
+def _hook_profile(workload_name: str, hook: str, calls: int, threads: int, rows: int, device: str = "cpu") -> str:
     """``torch.profiler``'s top ``rows`` operators by self CPU time over ``calls`` calls of ``hook`` on the
-    workload's gradients as one bucket (after two untimed calls)."""
+    workload's gradients as one bucket (after two untimed calls); on a GPU with its kernels too (the rows
+    ``cudaStreamSynchronize`` and ``aten::_local_scalar_dense`` count the hook's waits for the device)."""
     torch.set_num_threads(threads)
-    bucket = _one_bucket(workload_name)
+    bucket = _one_bucket(workload_name, device)
     choice = HookChoice.parse(hook)
     fn, state = make_comm_hook(choice.name, process_group=dist.group.WORLD, **dict(choice.options))
     for _ in range(2):
         fn(state, bucket).wait()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
         for _ in range(calls):
             fn(state, bucket).wait()
+        _synchronize(device)
     return profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
@@ -166,6 +184,10 @@ def main(argv: list[str] | None = None) -> None:
         default="wall",
         help="with --hook-only: wall-clock seconds, CPU seconds of the hook's thread, or of its process",
     )
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the workload and the hooks on the GPU")
+    parser.add_argument(
+        "--backend", default="gloo", choices=["gloo", "nccl"], help="the one-rank process group's backend"
+    )
     parser.add_argument("--profile", type=int, default=0, help="print this many profiler rows per hook")
     parser.add_argument("--profile-hooks", nargs="+", default=[], help="hooks to profile (default: all)")
     args = parser.parse_args(argv)
@@ -176,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
             [seconds] = run_on_ranks(
                 _hook_seconds,
                 world_size=1,
-                args=(workload, args.hooks, args.reps, args.threads, args.clock),
+                args=(workload, args.hooks, args.reps, args.threads, args.clock, args.device),
+                backend=args.backend,
                 timeout=timeout,
             )
             print(_table(workload, seconds, "hook ms" if args.clock == "wall" else "hook CPU ms"), "\n", flush=True)
@@ -184,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
                 [table] = run_on_ranks(
                     _hook_profile,
                     world_size=1,
-                    args=(workload, hook, 10, args.threads, args.profile or 12),
+                    args=(workload, hook, 10, args.threads, args.profile or 12, args.device),
+                    backend=args.backend,
                     timeout=timeout,
                 )
                 print(f"#### profile: {workload}, {hook}, 10 hook calls\n```\n{table}```\n", flush=True)
@@ -192,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
         [seconds] = run_on_ranks(
             _measure,
             world_size=1,
-            args=(workload, args.hooks, args.reps, args.steps, args.warmup, args.threads),
+            args=(workload, args.hooks, args.reps, args.steps, args.warmup, args.threads, args.device),
+            backend=args.backend,
             timeout=timeout,
         )
         print(_table(workload, seconds), "\n", flush=True)
