@@ -3,7 +3,8 @@
 For every hook in the registry (``hook_names()``: a new hook is covered without touching this file) and
 random models from :mod:`tests.property_models` (0-dim scalars used multiplicatively, ``[1]``, ``[1, n]``,
 ``[n, 1]``, 3-D and 4-D convolution kernels, float64 beside float32, frozen and tied parameters, a matrix
-larger than the bucket cap, gradients with a zero column, row or everywhere), random bucket caps (0.0001 MB
+larger than the bucket cap, gradients with a zero column, row or everywhere), gradcomm's DDP or torch's
+(the hook registered on either: they are interchangeable), random bucket caps (0.0001 MB
 to ``None``), ``gradient_as_bucket_view`` on, off or default (``None``), random hook options, sometimes the fp16 or
 bf16 wrapper around the hook, and 3 to 5 SGD steps (with or without momentum), after every synchronised step:
 
@@ -27,8 +28,10 @@ in :data:`DIVERGING`. Warm-up options are set so that compression is really exer
 when any other hook is added to the registry without being placed in one of these tables (it is still run
 with checks (a) and (b) meanwhile).
 
-Each hook runs two explicit examples per world size (every model feature at once, with a 0.0001 MB bucket
-cap, one parameter per bucket, and with 0.01 MB, several per bucket) and ``EXAMPLES`` generated ones.
+Each hook runs two explicit examples per world size (every model feature at once on gradcomm's DDP, with a
+0.0001 MB bucket cap, one parameter per bucket, and with 0.01 MB, several per bucket) and ``EXAMPLES``
+generated ones. With ``GRADCOMM_TEST_DEVICE=cuda`` (and ``_BACKEND``, ``_WORLD_SIZES``: :mod:`tests.helpers`)
+the same runs on CUDA tensors; ``benchmarks/gpu_checks.sh`` does that on a machine with a GPU.
 
 Speed and determinism: one group of ranks is spawned per world size; inside it every rank runs the same
 hypothesis search per hook (a fixed seed per hook and world size, no example database), so all ranks draw the
@@ -72,11 +75,13 @@ import gradcomm
 from gradcomm.compression.registry import method_options, methods
 from gradcomm.hooks.registry import hook_names, make_comm_hook, resolve_hook_name
 from gradcomm.testing import RankError, run_on_ranks
+from tests.ddp_kinds import DDP_KINDS, make_ddp
 from tests.helpers import TEST_BACKEND, TEST_DEVICE, world_sizes_to_test
 from tests.property_models import ModelSpec, PropertyModel, batch, full_feature_spec, model_specs
 
 # Gloo on CPU tensors unless GRADCOMM_TEST_DEVICE / _BACKEND / _WORLD_SIZES say otherwise (tests.helpers).
 DEVICE, BACKEND, WORLD_SIZES = TEST_DEVICE, TEST_BACKEND, world_sizes_to_test()
+PROPERTY_DDP_KINDS = (*DDP_KINDS, "legacy")  # torch's, gradcomm's, gradcomm's legacy (see _make_ddp)
 EXAMPLES = int(os.environ.get("GRADCOMM_PROPERTY_EXAMPLES", "3"))  # generated, per hook and world size
 SHRINK = os.environ.get("GRADCOMM_PROPERTY_SHRINK", "") not in ("", "0")
 EXAMPLE_TIMEOUT = 10.0  # seconds: the timeout of each example's subgroup
@@ -280,10 +285,11 @@ class Case:
     momentum: float
     bucket_view: bool | None = None
     wrapper: str | None = None
+    ddp_kind: str = "gradcomm"
 
     def describe(self) -> str:
         return (
-            f"bucket_cap_mb={self.bucket_cap_mb}, gradient_as_bucket_view={self.bucket_view}, "
+            f"{self.ddp_kind}'s DDP, bucket_cap_mb={self.bucket_cap_mb}, gradient_as_bucket_view={self.bucket_view}, "
             f"options={dict(self.options)}, wrapper={self.wrapper}, steps={self.steps}, momentum={self.momentum}, "
             f"{self.spec.numel()} elements, {self.spec.describe()}"
         )
@@ -297,8 +303,11 @@ def cases(draw: st.DrawFn, hook: str) -> Case:
     steps = draw(st.integers(3, 5))
     momentum = draw(st.sampled_from([0.0, 0.9]))
     wrapper = draw(st.sampled_from([None, None, *WRAPPER_TOLERANCE]))
-    bucket_view = draw(st.sampled_from([None, True, False]))
-    return Case(spec, cap, tuple(sorted(options.items())), steps, momentum, bucket_view, wrapper)
+    ddp_kind = draw(st.sampled_from(PROPERTY_DDP_KINDS))
+    # torch's DDP takes a bool (its default False); gradcomm's also None, its own default
+    bucket_view = draw(st.sampled_from([None, True, False] if ddp_kind == "gradcomm" else [True, False]))
+    bucket_view = None if ddp_kind == "legacy" else bucket_view  # it copies gradients into its buffers
+    return Case(spec, cap, tuple(sorted(options.items())), steps, momentum, bucket_view, wrapper, ddp_kind)
 
 
 def explicit_case(hook: str, bucket_cap_mb: float) -> Case:
@@ -312,6 +321,21 @@ def explicit_case(hook: str, bucket_cap_mb: float) -> Case:
     if hook == "post_localsgd":
         options.update(post_local_gradient_allreduce=False)
     return Case(full_feature_spec(bucket_cap_mb), bucket_cap_mb, tuple(sorted(options.items())), 4, 0.9)
+
+
+def _make_ddp(case: Case, model: PropertyModel, group: dist.ProcessGroup) -> torch.nn.Module:
+    """The case's DDP: gradcomm's, torch's (the hook registered on it as on gradcomm's), or gradcomm's legacy
+    one (an explicit ``all_reduce()`` after backward, the bucket cap as its buffer of float32 elements)."""
+    if case.ddp_kind == "legacy":
+        buffer = {} if case.bucket_cap_mb is None else {"buffer_size": max(1, int(case.bucket_cap_mb * 2**20 / 4))}
+        return gradcomm.LegacyDistributedDataParallel(model, dist.get_world_size(group), group, **buffer)
+    return make_ddp(
+        case.ddp_kind,
+        model,
+        process_group=group,
+        bucket_cap_mb=case.bucket_cap_mb,
+        gradient_as_bucket_view=case.bucket_view,
+    )
 
 
 def _digest(tensor: torch.Tensor) -> str:
@@ -342,6 +366,8 @@ def _run_step(
     optimizer.zero_grad()
     loss = F.mse_loss(ddp(x), y)
     loss.backward()
+    if case.ddp_kind == "legacy":
+        ddp.all_reduce()
     missing = [name for name, p in trainable if p.grad is None]
     if missing:
         raise AssertionError(f"no gradient after backward for {missing}")
@@ -475,9 +501,7 @@ def _run_case(hook: str, case: Case, where: str) -> str | None:
     report: dict[str, Any] = {"where": where}
     try:
         model = PropertyModel(case.spec).to(DEVICE)
-        ddp = gradcomm.DistributedDataParallel(
-            model, process_group=group, bucket_cap_mb=case.bucket_cap_mb, gradient_as_bucket_view=case.bucket_view
-        )
+        ddp = _make_ddp(case, model, group)
         hook_fn, state = make_comm_hook(hook, process_group=group, wrapper=case.wrapper, **dict(case.options))
         ddp.register_comm_hook(state, hook_fn)
         optimizer = SGD(list(model.parameters()), LEARNING_RATE, case.momentum)
