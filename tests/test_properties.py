@@ -4,7 +4,8 @@ For every hook in the registry (``hook_names()``: a new hook is covered without 
 random models from :mod:`tests.property_models` (0-dim scalars used multiplicatively, ``[1]``, ``[1, n]``,
 ``[n, 1]``, 3-D and 4-D convolution kernels, float64 beside float32, frozen and tied parameters, a matrix
 larger than the bucket cap, gradients with a zero column, row or everywhere), gradcomm's DDP or torch's
-(the hook registered on either: they are interchangeable), random bucket caps (0.0001 MB
+(the hook registered on either: they are interchangeable) or gradcomm's legacy DDP, 1 to 3 micro-batches
+per step (gradients accumulated under ``no_sync()``), random bucket caps (0.0001 MB
 to ``None``), ``gradient_as_bucket_view`` on, off or default (``None``), random hook options, sometimes the fp16 or
 bf16 wrapper around the hook, and 3 to 5 SGD steps (with or without momentum), after every synchronised step:
 
@@ -49,6 +50,7 @@ shared).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import hashlib
@@ -286,10 +288,11 @@ class Case:
     bucket_view: bool | None = None
     wrapper: str | None = None
     ddp_kind: str = "gradcomm"
+    micro_batches: int = 1  # backward passes per step, all but the last under no_sync()
 
     def describe(self) -> str:
         return (
-            f"{self.ddp_kind}'s DDP, bucket_cap_mb={self.bucket_cap_mb}, gradient_as_bucket_view={self.bucket_view}, "
+            f"{self.ddp_kind}'s DDP, {self.micro_batches} micro-batch(es), bucket_cap_mb={self.bucket_cap_mb}, gradient_as_bucket_view={self.bucket_view}, "
             f"options={dict(self.options)}, wrapper={self.wrapper}, steps={self.steps}, momentum={self.momentum}, "
             f"{self.spec.numel()} elements, {self.spec.describe()}"
         )
@@ -307,7 +310,10 @@ def cases(draw: st.DrawFn, hook: str) -> Case:
     # torch's DDP takes a bool (its default False); gradcomm's also None, its own default
     bucket_view = draw(st.sampled_from([None, True, False] if ddp_kind == "gradcomm" else [True, False]))
     bucket_view = None if ddp_kind == "legacy" else bucket_view  # it copies gradients into its buffers
-    return Case(spec, cap, tuple(sorted(options.items())), steps, momentum, bucket_view, wrapper, ddp_kind)
+    micro_batches = draw(st.sampled_from([1, 1, 2, 3]))
+    return Case(
+        spec, cap, tuple(sorted(options.items())), steps, momentum, bucket_view, wrapper, ddp_kind, micro_batches
+    )
 
 
 def explicit_case(hook: str, bucket_cap_mb: float) -> Case:
@@ -357,15 +363,23 @@ def _run_step(
     """One training step on this rank; what the checks need, as plain values."""
     rank = dist.get_rank()
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    x, y = (t.to(DEVICE) for t in batch(case.spec.seed, rank, step))
+    batches = [
+        tuple(t.to(DEVICE) for t in batch(case.spec.seed, rank, step + 1000 * micro))
+        for micro in range(case.micro_batches)
+    ]
     report: dict[str, Any] = {}
     local: list[torch.Tensor] | None = None
     if expect.reduction is not None:
-        # autograd.grad does not accumulate into .grad, so the DDP's hooks do not fire
-        local = list(torch.autograd.grad(F.mse_loss(model(x), y), [p for _, p in trainable]))
+        # autograd.grad does not accumulate into .grad, so the DDP's hooks do not fire; summed in the order
+        # .grad accumulates them
+        for x, y in batches:
+            grads = torch.autograd.grad(F.mse_loss(model(x), y), [p for _, p in trainable])
+            local = list(grads) if local is None else [a + b for a, b in zip(local, grads, strict=True)]
     optimizer.zero_grad()
-    loss = F.mse_loss(ddp(x), y)
-    loss.backward()
+    for micro, (x, y) in enumerate(batches):
+        with ddp.no_sync() if micro < len(batches) - 1 else contextlib.nullcontext():
+            loss = F.mse_loss(ddp(x), y)
+            loss.backward()
     if case.ddp_kind == "legacy":
         ddp.all_reduce()
     missing = [name for name, p in trainable if p.grad is None]

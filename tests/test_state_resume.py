@@ -16,7 +16,9 @@ Hook state is keyed by parameter, so the resume is accepted:
 
 On gradcomm's DDP, ``gradcomm.save_checkpoint``/``load_checkpoint`` restore the rebuilt layout, and runs
 resume bit for bit for both hooks. A state saved on gradcomm's DDP (keyed by parameter name) also resumes on
-torch's DDP once ``name_parameters(model)`` is called.
+torch's DDP once ``name_parameters(model)`` is called. Checkpoints are loaded to the CPU (``load_checkpoint``'s
+default, ``map_location="cpu"`` for ``torch.load``): with ``GRADCOMM_TEST_DEVICE=cuda`` the hook states must
+then take their saved tensors onto the GPU.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from gradcomm.hooks.parameter_keys import name_parameters
 from gradcomm.hooks.powerSGD_hook import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from gradcomm.testing import run_on_ranks
 from tests.ddp_kinds import make_ddp
-from tests.helpers import HeadFirst
+from tests.helpers import TEST_DEVICE, HeadFirst
 
 STEPS, STOP = 9, 5
 CAP_MB = 0.004
@@ -56,7 +58,7 @@ def _hook(method: str) -> tuple[Any, Any]:
 
 def _setup(kind: str, method: str) -> tuple[nn.Module, Any, torch.optim.Optimizer, Any]:
     torch.manual_seed(0)
-    model = HeadFirst()
+    model = HeadFirst().to(TEST_DEVICE)
     ddp = make_ddp(kind, model, bucket_cap_mb=CAP_MB)
     state, hook = _hook(method)
     ddp.register_comm_hook(state, hook)
@@ -67,12 +69,13 @@ def _steps(ddp: Any, optimizer: torch.optim.Optimizer, steps: range, model: nn.M
     losses, params = [], []
     for step in steps:
         g = torch.Generator().manual_seed(100 * dist.get_rank() + step)
-        loss = nn.functional.mse_loss(ddp(torch.randn(8, 16, generator=g)), torch.randn(8, 4, generator=g))
+        x, y = torch.randn(8, 16, generator=g).to(TEST_DEVICE), torch.randn(8, 4, generator=g).to(TEST_DEVICE)
+        loss = nn.functional.mse_loss(ddp(x), y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-        params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy())
+        params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy().copy())
     return {"losses": losses, "params": params}
 
 
@@ -85,9 +88,9 @@ def _on_torch(method: str, directory: str) -> dict[str, Any]:
     path = os.path.join(directory, f"torch-{method}-rank{dist.get_rank()}.pt")
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "hook": state.state_dict()}, path)
 
-    checkpoint = torch.load(path, weights_only=True)
+    checkpoint = torch.load(path, weights_only=True, map_location="cpu")  # loaded onto the device below
     torch.manual_seed(1)
-    model = HeadFirst()
+    model = HeadFirst().to(TEST_DEVICE)
     model.load_state_dict(checkpoint["model"])
     ddp = make_ddp("torch", model, bucket_cap_mb=CAP_MB)
     state, hook = _hook(method)
@@ -112,10 +115,10 @@ def _on_gradcomm(method: str, directory: str) -> dict[str, Any]:
     resumed = _steps(ddp, optimizer, range(STOP, STEPS), model)
 
     torch.manual_seed(1)
-    model = HeadFirst()
+    model = HeadFirst().to(TEST_DEVICE)
     name_parameters(model)
     checkpoint = torch.load(
-        os.path.join(path, f"rank{dist.get_rank()}-{_manifest_id(path)}.pt"), weights_only=True
+        os.path.join(path, f"rank{dist.get_rank()}-{_manifest_id(path)}.pt"), weights_only=True, map_location="cpu"
     )
     model.load_state_dict({k.removeprefix("module."): v for k, v in checkpoint["model"].items()})
     ddp = make_ddp("torch", model, bucket_cap_mb=CAP_MB)
