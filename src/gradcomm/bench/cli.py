@@ -393,7 +393,9 @@ def _run_under_torchrun(args: argparse.Namespace) -> int:
     if device.startswith("cuda"):
         torch.cuda.set_device(local_rank)
     dist.init_process_group(
-        "nccl" if device.startswith("cuda") else "gloo", timeout=datetime.timedelta(seconds=args.collective_timeout)
+        "nccl" if device.startswith("cuda") else "gloo",
+        timeout=datetime.timedelta(seconds=args.collective_timeout),
+        device_id=torch.device(device) if device.startswith("cuda") else None,  # NCCL's barrier then knows it
     )
     try:
         runs = bench_rank(config)
