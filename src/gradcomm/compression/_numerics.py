@@ -246,8 +246,12 @@ def unpack_signs(packed: torch.Tensor, length: int, dtype: torch.dtype) -> torch
     return decode_bits(packed, 1, length, sign_values(dtype, packed.device))
 
 
+@functools.lru_cache(maxsize=64)
 def sign_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The values of sign codes 0 and 1 (:func:`pack_signs`): ``[-1, +1]``; times a scale, for :func:`decode_bits`."""
+    """The values of sign codes 0 and 1 (:func:`pack_signs`): ``[-1, +1]``; times a scale, for :func:`decode_bits`.
+
+    Made once per dtype and device and shared: read it, never write it. (Made afresh, it cost a copy from
+    host memory per decoded tensor, which on CUDA also waits for the stream.)"""
     return torch.tensor([-1, 1], dtype=dtype, device=device)
 
 
