@@ -29,6 +29,7 @@ from tests.ddp_kinds import DDP_KINDS, make_ddp
 
 # Every registered method, with its default options: a new method is covered without an edit here.
 METHODS = methods()
+ALLGATHERED = tuple(name for name, cls in METHODS.items() if isinstance(cls.communicator, Allgather))
 DETERMINISTIC = tuple(name for name, cls in METHODS.items() if not issubclass(cls, RandomizedCompressor))
 STEPS = 20
 WORLD_SIZES = [2, 3]
@@ -174,9 +175,21 @@ def _train(kind: str, name: str) -> dict:
     return {
         "params": _flat(model),
         "bytes": dict(comm.traffic.bytes_sent),
+        "calls": dict(comm.traffic.calls),
         "losses": (loss_before, _held_out_loss(model)),
         "first_step_error": first_step_error,
     }
+
+
+def _dense_apart(kind: str, name: str) -> np.ndarray:
+    """:func:`_train`'s parameters with the dense tensors in an allreduce of their own, never in the
+    method's all-gather (what every world size did before all-gathers carried them on two ranks)."""
+    carries_dense = Allgather.carries_dense
+    Allgather.carries_dense = lambda self, world_size: False
+    try:
+        return _train(kind, name)["params"]
+    finally:
+        Allgather.carries_dense = carries_dense
 
 
 def _resume_gap(kind: str, name: str, kwargs: dict) -> float:
@@ -209,6 +222,7 @@ def _run_everything(kinds: tuple[str, ...]) -> dict:
         kind: {
             "methods": {name: _train(kind, name) for name in METHODS},
             "resume_gaps": {name: _resume_gap(kind, name, kwargs) for name, kwargs in RESUMED.items()},
+            "dense_apart": {name: _dense_apart(kind, name) for name in ALLGATHERED},
         }
         for kind in kinds
     }
@@ -240,6 +254,8 @@ def _wire_format_bytes_per_step(name: str, world_size: int) -> dict[str, int]:
     if name in ("bytegrad", "onebit"):
         # stage 1 sends one chunk to every rank (all-to-all), stage 2 all-gathers this rank's reduced chunk
         return {"all_reduce": dense, "all_to_all": world_size * gathered, "all_gather": gathered}
+    if world_size == 2:  # the all-gather carries the dense tensors too: the same bytes on each link
+        return {"all_gather": dense + gathered}
     return {"all_reduce": dense, "all_gather": gathered}
 
 
@@ -259,8 +275,9 @@ def _payload_bytes_per_step(name: str, world_size: int) -> dict[str, int]:
     traffic: Counter[str] = Counter()
     for p in _model().parameters():
         meta = torch.empty(p.shape, dtype=p.dtype, device="meta")
-        if not state.compresses(meta):
-            traffic["all_reduce"] += _nbytes([meta])  # sent dense
+        if not state.compresses(meta):  # sent dense: in the all-gather on two ranks
+            dense_in = "all_gather" if isinstance(communicator, Allgather) and world_size == 2 else "all_reduce"
+            traffic[dense_in] += _nbytes([meta])
         elif isinstance(communicator, Allreduce):
             traffic["all_reduce"] += _nbytes(compressor.compress(meta)[0])
         elif isinstance(communicator, Allgather):
@@ -314,6 +331,20 @@ def test_traffic_equals_payload_sizes(kind, world_size):
                 collective: STEPS * n for collective, n in _expected_bytes_per_step(name, world_size).items()
             }
             assert rank[kind]["methods"][name]["bytes"] == expected, name
+
+
+@pytest.mark.timeout(300)
+@runs
+@world_sizes
+def test_allgathered_methods_carry_dense_tensors_on_two_ranks(kind, world_size):
+    """On two ranks the all-gather carries the dense tensors: one collective per bucket instead of two, and
+    the parameters bit for bit those of the dense allreduce; from three ranks on the dense allreduce stays."""
+    for rank in _results(world_size):
+        for name in ALLGATHERED:
+            calls = rank[kind]["methods"][name]["calls"]
+            assert ("all_reduce" in calls) == (world_size > 2), f"{name}: {calls}"
+            params, apart = rank[kind]["methods"][name]["params"], rank[kind]["dense_apart"][name]
+            assert np.array_equal(params, apart), f"{name}: the dense tensors' mean changed with their collective"
 
 
 @pytest.mark.timeout(300)

@@ -11,7 +11,8 @@ A compressor names one communicator in its ``communicator`` attribute:
   :class:`~gradcomm.compression.base.RowwiseCompressor` s (8-bit ByteGrad, 1-bit compressed allreduce).
 
 A communicator serves all the tensors of one bucket that use it with one collective (per stage), whatever
-their count. Every collective goes through :mod:`gradcomm.comm`, so it is counted, and is launched through the
+their count; on two ranks :data:`ALLGATHER` carries the bucket's dense tensors too (:meth:`Communicator.
+carries_dense`). Every collective goes through :mod:`gradcomm.comm`, so it is counted, and is launched through the
 hook state's :class:`~gradcomm.comm.launcher.OrderedLauncher`: a second stage starts when the first one's
 result is in, in its reserved place, without blocking the hook's thread.
 """
@@ -91,6 +92,11 @@ class Communicator(ABC):
         """Compress ``tensor`` for this exchange, with ``memory``'s error feedback."""
         payload, ctx = compensated_compress(compressor, memory, key, tensor)
         return Message(key, compressor, payload, ctx)
+
+    def carries_dense(self, world_size: int) -> bool:
+        """Whether a bucket's dense (uncompressed) tensors can travel in this communicator's collective rather
+        than in an allreduce of their own, with the same bytes on the link and the same result, bit for bit."""
+        return False
 
     @abstractmethod
     def exchange(
@@ -182,6 +188,13 @@ class Allgather(Communicator):
     Traffic grows with the world size (every rank receives every payload), the price of payloads that cannot
     be summed without decompressing them.
     """
+
+    def carries_dense(self, world_size: int) -> bool:
+        """On one or two ranks: an all-gather of B bytes then puts B on each link, as a ring allreduce of B
+        does, and the mean of two pre-divided addends is the same in either order. So a bucket costs one
+        collective instead of two; from three ranks on an all-gather costs more bytes and sums in another
+        order than gloo's ring."""
+        return world_size <= 2
 
     def exchange(
         self,

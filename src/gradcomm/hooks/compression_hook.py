@@ -9,9 +9,10 @@ Register it in one line on torch's DistributedDataParallel or gradcomm's (overla
 
 Per bucket, every parameter's gradient is handled on its own: large ones are compressed (with the
 compressor's error feedback, keyed by parameter), small ones (biases, norms: fewer than ``min_numel``
-elements, or compressed less than ``min_compression_rate`` times) are sent dense. Tensors that share a
-communicator share its collectives, so a bucket costs one collective per communicator (per stage), whatever
-its number of parameters. The future holds the bucket's averaged gradient, decompressed.
+elements, or compressed less than ``min_compression_rate`` times) are sent dense, in an allreduce of their
+own or, where the method's communicator carries them at no cost (an all-gather on two ranks), in its
+collective. Tensors that share a communicator share its collectives, so a bucket costs one collective per
+communicator (per stage), whatever its number of parameters. The future holds the bucket's averaged gradient, decompressed.
 
 Error-feedback residuals and random streams are keyed by parameter, not by bucket position, so they follow
 their parameter when DDP rebuilds its buckets after the first iteration: a parameter's key is its name where
@@ -161,11 +162,13 @@ def compressed_allreduce_hook(
     keys = state.keys(bucket)
     state.check_loaded(bucket, keys, gradients)
     batches: dict[Communicator, list[tuple[int, Message]]] = {}
+    method = state.compressor.communicator
+    dense = method if method.carries_dense(world_size) else _DENSE.communicator
     for position, (key, gradient) in enumerate(zip(keys, gradients, strict=True)):
-        compressor, memory = (
-            (state.compressor, state.memory) if state.compresses(gradient) else (_DENSE, _NO_MEMORY)
-        )
-        communicator = compressor.communicator
+        if state.compresses(gradient):
+            compressor, memory, communicator = state.compressor, state.memory, method
+        else:
+            compressor, memory, communicator = _DENSE, _NO_MEMORY, dense
         message = communicator.encode(compressor, key, gradient, memory, world_size)
         batches.setdefault(communicator, []).append((position, message))
     futures = [
