@@ -84,6 +84,9 @@ from tests.property_models import ModelSpec, PropertyModel, batch, full_feature_
 # Gloo on CPU tensors unless GRADCOMM_TEST_DEVICE / _BACKEND / _WORLD_SIZES say otherwise (tests.helpers).
 DEVICE, BACKEND, WORLD_SIZES = TEST_DEVICE, TEST_BACKEND, world_sizes_to_test()
 PROPERTY_DDP_KINDS = (*DDP_KINDS, "legacy")  # torch's, gradcomm's, gradcomm's legacy (see _make_ddp)
+# gradient_as_bucket_view per DDP: gradcomm's also takes None (its default); torch's a bool; the legacy DDP
+# has no such option (it copies gradients into its buffers)
+BUCKET_VIEWS: dict[str, list[bool | None]] = {"gradcomm": [None, True, False], "torch": [True, False], "legacy": [None]}
 EXAMPLES = int(os.environ.get("GRADCOMM_PROPERTY_EXAMPLES", "3"))  # generated, per hook and world size
 SHRINK = os.environ.get("GRADCOMM_PROPERTY_SHRINK", "") not in ("", "0")
 EXAMPLE_TIMEOUT = 10.0  # seconds: the timeout of each example's subgroup
@@ -307,9 +310,7 @@ def cases(draw: st.DrawFn, hook: str) -> Case:
     momentum = draw(st.sampled_from([0.0, 0.9]))
     wrapper = draw(st.sampled_from([None, None, *WRAPPER_TOLERANCE]))
     ddp_kind = draw(st.sampled_from(PROPERTY_DDP_KINDS))
-    # torch's DDP takes a bool (its default False); gradcomm's also None, its own default
-    bucket_view = draw(st.sampled_from([None, True, False] if ddp_kind == "gradcomm" else [True, False]))
-    bucket_view = None if ddp_kind == "legacy" else bucket_view  # it copies gradients into its buffers
+    bucket_view = draw(st.sampled_from(BUCKET_VIEWS[ddp_kind]))
     micro_batches = draw(st.sampled_from([1, 1, 2, 3]))
     return Case(
         spec, cap, tuple(sorted(options.items())), steps, momentum, bucket_view, wrapper, ddp_kind, micro_batches
