@@ -368,18 +368,21 @@ def _run_step(
         tuple(t.to(DEVICE) for t in batch(case.spec.seed, rank, step + 1000 * micro))
         for micro in range(case.micro_batches)
     ]
+    # each micro-batch's loss divided by their count, as in gradient accumulation: the accumulated gradient
+    # keeps one batch's scale (unscaled, 3 micro-batches can take SGD past its stable step size)
+    scale = case.micro_batches
     report: dict[str, Any] = {}
     local: list[torch.Tensor] | None = None
     if expect.reduction is not None:
         # autograd.grad does not accumulate into .grad, so the DDP's hooks do not fire; summed in the order
         # .grad accumulates them
         for x, y in batches:
-            grads = torch.autograd.grad(F.mse_loss(model(x), y), [p for _, p in trainable])
+            grads = torch.autograd.grad(F.mse_loss(model(x), y) / scale, [p for _, p in trainable])
             local = list(grads) if local is None else [a + b for a, b in zip(local, grads, strict=True)]
     optimizer.zero_grad()
     for micro, (x, y) in enumerate(batches):
         with ddp.no_sync() if micro < len(batches) - 1 else contextlib.nullcontext():
-            loss = F.mse_loss(ddp(x), y)
+            loss = F.mse_loss(ddp(x), y) / scale
             loss.backward()
     if case.ddp_kind == "legacy":
         ddp.all_reduce()
