@@ -72,6 +72,22 @@ class MixedPrecision(nn.Module):
         return self.wide(torch.relu(self.single(x)).double()).float()
 
 
+class ScalarAndWide(nn.Module):
+    """A 0-dim parameter (a learned temperature) and a weight larger than a staged run of gradient writes
+    (``gradcomm.ddp.staging.RUN_BYTES``), beside small ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _mlp()
+        self.wide = nn.Linear(4, 20_000)
+        self.narrow = nn.Linear(20_000, 4)
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = torch.tanh(self.wide(self.body(x))) / self.wide.out_features  # SGD stays stable
+        return self.narrow(features) * self.temperature
+
+
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
 
@@ -143,6 +159,7 @@ CASES: dict[str, Case] = {
     "cnn_batchnorm": Case(_cnn, _image_batch),
     "unused_branch": Case(UnusedBranch, _two_dim_batch, {"find_unused_parameters": True}),
     "frozen": Case(_frozen),
+    "scalar_and_wide": Case(ScalarAndWide),
     "tied": Case(Tied, _token_batch),
     "fp32_and_fp64": Case(MixedPrecision),
     "param_larger_than_cap": Case(_big, ddp_kwargs={"bucket_cap_mb": 0.005}),

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gradcomm.ddp.staging import StagedWrites
 from gradcomm.hooks.grad_bucket import GradBucket
 
 __all__ = [
@@ -235,7 +236,9 @@ class Bucket:
         self.offsets = [sum(self.lengths[:k]) for k in range(len(members))]
         self.shapes = [p.shape for p in members]
         self._handed_out_refs: int | None = None
+        self.nbytes = [length * members[0].element_size() for length in self.lengths]
         self.copy_back: set[int] = set()  # this step: positions whose .grad the user holds (torch's copies)
+        self.staged = StagedWrites(self)  # gradients on their way into the buffer
         self.renew()
 
     def renew(self) -> None:

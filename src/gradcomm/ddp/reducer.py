@@ -299,6 +299,9 @@ class Reducer(ReducerSurface):
     # -- per-iteration mechanics ----------------------------------------------------------------------------
     def _reset_iteration(self) -> None:
         self._ready = bytearray(len(self._params))
+        for bucket in self._buckets:
+            if not bucket.sparse:
+                bucket.staged.discard()
         self._pending = [len(bucket.param_indices) for bucket in self._buckets]
         self._futures: list[torch.futures.Future | None] = [None] * len(self._buckets)
         self._next_bucket = 0
@@ -351,13 +354,17 @@ class Reducer(ReducerSurface):
                     param.grad = view
             if grad.requires_grad:
                 grad = self._graph_gradient_value(grad)
-            if self._runner.averages_itself:
-                torch.mul(grad, self._scale, out=view)  # as torch: pre-divide each gradient, then sum
-            elif not in_bucket:
-                view.copy_(grad)
+            if in_bucket:
+                grad = None
+        bucket.staged.put(position, grad, self._write_scale())
         self._pending[bucket.index] -= 1
         if self._pending[bucket.index] == 0:
             self._launch_ready_buckets()
+
+    def _write_scale(self) -> float | None:
+        """The factor gradients are multiplied by on their way into the bucket: with the default reduction,
+        as torch, each is pre-divided by the world size before the sum; a registered hook gets them as they are."""
+        return self._scale if self._runner.averages_itself else None
 
     def _protect_handed_out(self, bucket: Bucket) -> None:
         """Before a step's first write into ``bucket``: if the user still holds one of last step's ``.grad``
@@ -397,6 +404,8 @@ class Reducer(ReducerSurface):
         try:
             while self._next_bucket < len(self._buckets) and self._pending[self._next_bucket] == 0:
                 bucket = self._buckets[self._next_bucket]
+                if not bucket.sparse:
+                    bucket.staged.flush(self._write_scale())
                 if self._check_finite:
                     check_bucket_finite(bucket, self._names, self._synced_backwards)
                 if bucket.index == 0:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from gradcomm.comm.faults import reporting_lost_peers
 from gradcomm.ddp.telemetry import CommStats
 from gradcomm.ddp.unused import UsedParameters
@@ -157,10 +155,9 @@ class ReducerSurface:
         """Average the default reduction over ``count`` ranks (``None``: all), for ``join()`` with
         ``divide_by_initial_world_size=False``. A registered hook divides as it does itself."""
         self._grad_divisor = count or self._world_size  # sparse gradients are divided by it (as torch)
-        # dense ones multiplied by its inverse, kept as a float64 0-dim tensor: the same floats as multiplying by
-        # the Python number (the kernel reads either as the gradient's compute type), without wrapping the
-        # number for every gradient
-        self._scale = torch.tensor(1.0 / self._grad_divisor, dtype=torch.float64)
+        # dense ones multiplied by its inverse, as a Python number: the kernel reads it as torch's reducer's
+        # wrapped scalar, in the gradient's compute type (a 0-dim tensor would promote a 0-dim gradient)
+        self._scale = 1.0 / self._grad_divisor
 
     # -- torch's Reducer methods that frameworks call, and what torch's DDP methods need --------------------
     def _rebuild_buckets(self) -> bool:
