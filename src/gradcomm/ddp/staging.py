@@ -8,6 +8,10 @@ the gradients' ready order) reaches :data:`RUN_BYTES`, then copied with one ``_f
 one ``mul_`` over the run's stretch of the buffer, while the gradients are still in cache. Every element is
 multiplied exactly once by the same factor, so the floats are those of multiplying each gradient into its
 view. A gradient of :data:`RUN_BYTES` or more is written at once, in one pass.
+
+Only on the CPU. On an accelerator a gradient is written at once, in its hook, on the stream autograd
+produced it on: a run written later, from another gradient's hook, could be on another stream (a model that
+runs part of its forward on a side stream) and read a gradient not yet computed.
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ the scaling, finds it in cache); a gradient this large is written on its own."""
 class StagedWrites:
     """The run of one bucket's gradients not yet written into its buffer."""
 
-    __slots__ = ("_bucket", "_first", "_last", "_nbytes", "_sources", "_targets")
+    __slots__ = ("_bucket", "_first", "_immediate", "_last", "_nbytes", "_sources", "_targets")
 
     def __init__(self, bucket: Bucket) -> None:
         self._bucket = bucket
+        self._immediate = bucket.params[0].device.type != "cpu"  # no runs: see the module's docstring
         self.discard()
 
     def discard(self) -> None:
@@ -47,7 +52,7 @@ class StagedWrites:
         ``grad`` ``None``: the view already holds the gradient (accumulated in place, or zeroed)."""
         bucket = self._bucket
         nbytes = bucket.nbytes[position]
-        if nbytes >= RUN_BYTES:
+        if nbytes >= RUN_BYTES or self._immediate:
             self.flush(scale)
             view = bucket.views[position]
             if scale is not None:
