@@ -69,6 +69,16 @@ def _same_grads(a: nn.Module, b: nn.Module) -> bool:
     return all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
+def _user_hook(seen: list[tuple[bool, torch.Tensor]]) -> Any:
+    """A post-accumulate-grad hook that records what ``.grad`` is when it runs, then changes it in place."""
+
+    def hook(param: torch.Tensor) -> None:
+        seen.append((param.grad._base is not None, param.grad.clone()))
+        param.grad.mul_(1.0 + dist.get_rank())
+
+    return hook
+
+
 def _views_by_default() -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
@@ -163,6 +173,30 @@ def _views_by_default() -> dict[str, Any]:
     out["channels_last_kept"] = weight.is_contiguous(memory_format=torch.channels_last) and weight._base is None
     out["channels_last_equal"] = _same_grads(*nets)
 
+    # a post-accumulate-grad hook the user registers after the DDP runs before the reduction, as torch's: it
+    # sees the local gradient in .grad (not a bucket view) and what it changes in place is what is reduced
+    for mode in (None, True, False):
+        model = _mlp()
+        ddps = [
+            nn.parallel.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=0.0002, gradient_as_bucket_view=bool(mode)),
+            gradcomm.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=0.0002, gradient_as_bucket_view=mode),
+        ]
+        optimizers = [torch.optim.SGD(ddp.parameters(), lr=0.1) for ddp in ddps]
+        seen: list[list[tuple[bool, torch.Tensor]]] = [[], []]
+        for which, ddp in enumerate(ddps):
+            for param in ddp.module.parameters():
+                param.register_post_accumulate_grad_hook(_user_hook(seen[which]))
+        equal = []
+        for step in range(3):
+            for ddp, optimizer in zip(ddps, optimizers, strict=True):
+                _step(ddp, optimizer, step)
+                optimizer.step()
+            equal.append(_same_grads(*ddps))
+        out[f"user_hook_{mode}_equal"] = equal
+        out[f"user_hook_{mode}_saw_the_same"] = len(seen[0]) == len(seen[1]) and all(
+            a == b and torch.equal(x, y) for (a, x), (b, y) in zip(*seen, strict=True)
+        )
+
     # False is torch's default exactly: .grad are no views
     (theirs, ours), optimizers = _pair(gradient_as_bucket_view=False)
     for step in range(2):
@@ -211,3 +245,8 @@ def test_a_grad_held_during_backward_gets_the_reduced_values(observed: dict[str,
     assert observed[f"{how}_held_reduced"], f"a .grad held through the backward ({how}) kept the local values"
     assert observed[f"{how}_others_views"] and observed[f"{how}_equal"]
 
+
+@pytest.mark.parametrize("mode", [None, True, False])
+def test_a_later_post_accumulate_grad_hook_runs_before_the_reduction(observed: dict[str, Any], mode: Any) -> None:
+    assert observed[f"user_hook_{mode}_saw_the_same"], "the user's hook saw a different .grad than under torch's DDP"
+    assert all(observed[f"user_hook_{mode}_equal"]), "the gradients it changed were reduced differently from torch's"

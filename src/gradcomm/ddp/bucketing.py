@@ -13,9 +13,11 @@ import functools
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from gradcomm.ddp.grad_hooks import after_accumulation
 from gradcomm.ddp.staging import StagedWrites
 from gradcomm.hooks.grad_bucket import GradBucket
 
@@ -174,16 +176,16 @@ def _references_as_checked(grad: torch.Tensor) -> int:
 @functools.cache
 def _unheld_grad_references() -> int:
     """The reference count :func:`grad_held_elsewhere` sees for a ``.grad`` nobody else holds, read as the
-    reducer reads it (a local ``grad = param.grad`` in a post-accumulate-grad hook), measured once on a
-    one-element parameter (the absolute count is an interpreter and torch detail)."""
+    reducer reads it (a local ``grad = param.grad`` in its hook, :func:`~gradcomm.ddp.grad_hooks.after_accumulation`),
+    measured once on a one-element parameter (the absolute count is an interpreter and torch detail)."""
     param = torch.nn.Parameter(torch.zeros(1))
     seen: list[int] = []
 
-    def measure(parameter: torch.Tensor) -> None:
-        grad = parameter.grad
+    def measure(_grad_inputs: Any, _grad_outputs: Any) -> None:
+        grad = param.grad
         seen.append(_references_as_checked(grad))
 
-    param.register_post_accumulate_grad_hook(measure)
+    _handle, _accumulator = after_accumulation(param, measure)
     with torch.enable_grad():
         param.sum().backward()
     return seen[0]

@@ -4,9 +4,10 @@ Mechanism only; what a bucket's communication does is the hook's business. Per s
 
 1. ``prepare_for_backward`` (called by DDP's forward) arms the reducer and, with
    ``find_unused_parameters``, finds the parameters the output does not depend on.
-2. During backward each parameter's post-accumulate-grad hook copies its gradient into its bucket. When a
-   bucket is complete, it and every complete bucket after it in order are launched (hook, or the default
-   averaging allreduce) while backward goes on; strictly in index order, so all ranks match collectives.
+2. During backward each parameter's post-accumulate-grad hook copies its gradient into its bucket (small ones
+   a run of neighbours at a time: :mod:`gradcomm.ddp.staging`). When a bucket is complete, it and every
+   complete bucket after it in order are launched (hook, or the default averaging allreduce) while backward
+   goes on; strictly in index order, so all ranks match collectives.
 3. When the last bucket is launched, an autograd-engine callback is queued, as torch does, in the backward
    that launched it (the outer one under reentrant checkpointing, if outer gradients were still to come):
    it waits for every bucket's future and writes ``.grad`` (or makes it a view into the bucket). A backward
@@ -53,7 +54,7 @@ from gradcomm.ddp.bucketing import (
     same_tensor,
 )
 from gradcomm.ddp.finite import check_bucket_finite
-from gradcomm.ddp.grad_hooks import EndOfBackwardHook, GradReadyHook
+from gradcomm.ddp.grad_hooks import EndOfBackwardHook, GradReadyHook, after_accumulation
 from gradcomm.ddp.hook_runner import HookRunner
 from gradcomm.ddp.reducer_surface import (
     ReducerSurface,
@@ -138,10 +139,11 @@ class Reducer(ReducerSurface):
             self._mark_sparse_ready if self._sparse and self._sparse[index] else self._mark_ready
             for index in range(len(self._params))
         ]
-        self._grad_hook_handles = [
-            param.register_post_accumulate_grad_hook(GradReadyHook(self_ref, index))
-            for index, param in enumerate(self._params)
-        ]
+        self._grad_hook_handles, self._accumulators = [], []  # the nodes are kept: see after_accumulation
+        for index, param in enumerate(self._params):
+            handle, accumulator = after_accumulation(param, GradReadyHook(self_ref, index))
+            self._grad_hook_handles.append(handle)
+            self._accumulators.append(accumulator)
 
     def _fail(self, exc: BaseException) -> None:
         self._runner.fail(exc)

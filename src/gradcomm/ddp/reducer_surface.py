@@ -222,5 +222,5 @@ class ReducerSurface:
     def remove_hooks(self) -> None:
         for handle in self._grad_hook_handles:
             handle.remove()
-        self._grad_hook_handles = []
+        self._grad_hook_handles, self._accumulators = [], []
 
