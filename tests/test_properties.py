@@ -5,7 +5,9 @@ random models from :mod:`tests.property_models` (0-dim scalars used multiplicati
 ``[n, 1]``, 3-D and 4-D convolution kernels, float64 beside float32, frozen and tied parameters, a matrix
 larger than the bucket cap, gradients with a zero column, row or everywhere), gradcomm's DDP or torch's
 (the hook registered on either: they are interchangeable) or gradcomm's legacy DDP, 1 to 3 micro-batches
-per step (gradients accumulated under ``no_sync()``), random bucket caps (0.0001 MB
+per step (gradients accumulated under ``no_sync()``), sometimes a post-accumulate-grad hook of the user's that
+scales ``.grad`` in place by a different factor on every rank (it runs before the reduction, as under torch's
+DDP), random bucket caps (0.0001 MB
 to ``None``), ``gradient_as_bucket_view`` on, off or default (``None``), random hook options, sometimes the fp16 or
 bf16 wrapper around the hook, and 3 to 5 SGD steps (with or without momentum), after every synchronised step:
 
@@ -60,7 +62,7 @@ import threading
 import time
 import traceback
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -292,10 +294,12 @@ class Case:
     wrapper: str | None = None
     ddp_kind: str = "gradcomm"
     micro_batches: int = 1  # backward passes per step, all but the last under no_sync()
+    user_hook: bool = False  # a post-accumulate-grad hook of the user's scales .grad by user_hook_factor(rank)
 
     def describe(self) -> str:
+        user = ", a user hook scaling .grad by 0.5 * (1 + rank)" if self.user_hook else ""
         return (
-            f"{self.ddp_kind}'s DDP, {self.micro_batches} micro-batch(es), bucket_cap_mb={self.bucket_cap_mb}, gradient_as_bucket_view={self.bucket_view}, "
+            f"{self.ddp_kind}'s DDP{user}, {self.micro_batches} micro-batch(es), bucket_cap_mb={self.bucket_cap_mb}, gradient_as_bucket_view={self.bucket_view}, "
             f"options={dict(self.options)}, wrapper={self.wrapper}, steps={self.steps}, momentum={self.momentum}, "
             f"{self.spec.numel()} elements, {self.spec.describe()}"
         )
@@ -312,9 +316,32 @@ def cases(draw: st.DrawFn, hook: str) -> Case:
     ddp_kind = draw(st.sampled_from(PROPERTY_DDP_KINDS))
     bucket_view = draw(st.sampled_from(BUCKET_VIEWS[ddp_kind]))
     micro_batches = draw(st.sampled_from([1, 1, 2, 3]))
+    user_hook = draw(st.sampled_from([False, False, True]))
     return Case(
-        spec, cap, tuple(sorted(options.items())), steps, momentum, bucket_view, wrapper, ddp_kind, micro_batches
+        spec,
+        cap,
+        tuple(sorted(options.items())),
+        steps,
+        momentum,
+        bucket_view,
+        wrapper,
+        ddp_kind,
+        micro_batches,
+        user_hook,
     )
+
+
+def user_hook_factor(rank: int) -> float:
+    """What the user's post-accumulate-grad hook multiplies ``.grad`` by on ``rank``: different on every rank,
+    so that a DDP that reduced the gradient before the hook ran (or raced it) is seen."""
+    return 0.5 * (1 + rank)
+
+
+def _scaling_hook(factor: float) -> Callable[[torch.Tensor], None]:
+    def scale(param: torch.Tensor) -> None:
+        param.grad.mul_(factor)
+
+    return scale
 
 
 def explicit_case(hook: str, bucket_cap_mb: float) -> Case:
@@ -379,6 +406,8 @@ def _run_step(
         for x, y in batches:
             grads = torch.autograd.grad(F.mse_loss(model(x), y) / scale, [p for _, p in trainable])
             local = list(grads) if local is None else [a + b for a, b in zip(local, grads, strict=True)]
+            if case.user_hook:  # after each accumulation, before the reduction (as under torch's DDP)
+                local = [g * user_hook_factor(rank) for g in local]
     optimizer.zero_grad()
     for micro, (x, y) in enumerate(batches):
         with ddp.no_sync() if micro < len(batches) - 1 else contextlib.nullcontext():
@@ -520,6 +549,10 @@ def _run_case(hook: str, case: Case, where: str) -> str | None:
     try:
         model = PropertyModel(case.spec).to(DEVICE)
         ddp = _make_ddp(case, model, group)
+        if case.user_hook:
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(_scaling_hook(user_hook_factor(dist.get_rank())))
         hook_fn, state = make_comm_hook(hook, process_group=group, wrapper=case.wrapper, **dict(case.options))
         ddp.register_comm_hook(state, hook_fn)
         optimizer = SGD(list(model.parameters()), LEARNING_RATE, case.momentum)
