@@ -51,11 +51,12 @@ def _step(ddp: nn.Module, optimizer: torch.optim.Optimizer, step: int, set_to_no
     nn.functional.cross_entropy(ddp(x), y).backward()
 
 
-def _pair(**kwargs: Any) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
-    """torch's DDP (its defaults) and gradcomm's (``kwargs``) on the same model, with SGD each."""
+def _pair(torch_views: bool = False, **kwargs: Any) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+    """torch's DDP (its defaults, or ``gradient_as_bucket_view=torch_views``) and gradcomm's (``kwargs``) on
+    the same model, with SGD each."""
     model = _mlp()
     ddps = [
-        nn.parallel.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=0.0002),
+        nn.parallel.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=0.0002, gradient_as_bucket_view=torch_views),
         gradcomm.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=0.0002, **kwargs),
     ]
     return ddps, [torch.optim.SGD(ddp.parameters(), lr=0.1) for ddp in ddps]
@@ -176,12 +177,7 @@ def _views_by_default() -> dict[str, Any]:
     # a post-accumulate-grad hook the user registers after the DDP runs before the reduction, as torch's: it
     # sees the local gradient in .grad (not a bucket view) and what it changes in place is what is reduced
     for mode in (None, True, False):
-        model = _mlp()
-        ddps = [
-            nn.parallel.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=0.0002, gradient_as_bucket_view=bool(mode)),
-            gradcomm.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=0.0002, gradient_as_bucket_view=mode),
-        ]
-        optimizers = [torch.optim.SGD(ddp.parameters(), lr=0.1) for ddp in ddps]
+        ddps, optimizers = _pair(torch_views=bool(mode), gradient_as_bucket_view=mode)
         seen: list[list[tuple[bool, torch.Tensor]]] = [[], []]
         for which, ddp in enumerate(ddps):
             for param in ddp.module.parameters():

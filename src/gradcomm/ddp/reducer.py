@@ -4,10 +4,11 @@ Mechanism only; what a bucket's communication does is the hook's business. Per s
 
 1. ``prepare_for_backward`` (called by DDP's forward) arms the reducer and, with
    ``find_unused_parameters``, finds the parameters the output does not depend on.
-2. During backward each parameter's post-accumulate-grad hook copies its gradient into its bucket (small ones
-   a run of neighbours at a time: :mod:`gradcomm.ddp.staging`). When a bucket is complete, it and every
-   complete bucket after it in order are launched (hook, or the default averaging allreduce) while backward
-   goes on; strictly in index order, so all ranks match collectives.
+2. During backward each parameter's hook (:mod:`gradcomm.ddp.grad_hooks`: on its ``AccumulateGrad`` node, after
+   the user's post-accumulate-grad hooks, as torch's) copies its gradient into its bucket (small ones a run of
+   neighbours at a time: :mod:`gradcomm.ddp.staging`). When a bucket is complete, it and every complete
+   bucket after it in order are launched (hook, or the default averaging allreduce) while backward goes on;
+   strictly in index order, so all ranks match collectives.
 3. When the last bucket is launched, an autograd-engine callback is queued, as torch does, in the backward
    that launched it (the outer one under reentrant checkpointing, if outer gradients were still to come):
    it waits for every bucket's future and writes ``.grad`` (or makes it a view into the bucket). A backward

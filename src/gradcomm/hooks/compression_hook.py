@@ -12,7 +12,8 @@ compressor's error feedback, keyed by parameter), small ones (biases, norms: few
 elements, or compressed less than ``min_compression_rate`` times) are sent dense, in an allreduce of their
 own or, where the method's communicator carries them at no cost (an all-gather on two ranks), in its
 collective. Tensors that share a communicator share its collectives, so a bucket costs one collective per
-communicator (per stage), whatever its number of parameters. The future holds the bucket's averaged gradient, decompressed.
+communicator (per stage), whatever its number of parameters. The future holds the bucket's averaged
+gradient, decompressed.
 
 Error-feedback residuals and random streams are keyed by parameter, not by bucket position, so they follow
 their parameter when DDP rebuilds its buckets after the first iteration: a parameter's key is its name where
