@@ -251,6 +251,19 @@ def test_bit_packing_wire_format_is_code_i_at_bit_i_times_bits(bits):
     assert torch.equal(pack_bits(codes, bits), expected)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_bit_packing_gives_every_byte_from_its_codes(bits):
+    # Every byte value once: its 8 // bits codes, lowest first. Pins the gathering multiplication's claim that
+    # no two codes' products overlap or carry, for all code combinations (with offsets and odd row lengths).
+    per_byte = 8 // bits
+    byte = torch.arange(256)
+    codes = ((byte.unsqueeze(1) >> (bits * torch.arange(per_byte))) & (2**bits - 1)).to(torch.uint8)
+    assert torch.equal(pack_bits(codes.reshape(1, -1), bits), byte.to(torch.uint8).unsqueeze(0))
+    assert torch.equal(pack_bits(codes, bits), byte.to(torch.uint8).unsqueeze(1))
+    shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), codes.reshape(-1)])[3:]  # storage offset 3
+    assert torch.equal(pack_bits(shifted, bits), byte.to(torch.uint8))
+
+
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_bit_packing_is_one_little_endian_stream_of_exact_width_codes(bits):
     codes = torch.randint(0, 2**bits, (2, 29), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
