@@ -1,0 +1,92 @@
+"""The codec alone: CPU ms of every compression method's ``compress`` and ``decompress`` over a workload's gradients.
+
+``bench_compression.py`` times whole steps, or the whole hook (its collectives, futures and gloo's threads
+included); on a shared machine both move by more than a codec change of a few hundred microseconds. This
+times only the two halves of the codec, in this thread, with no process group: each method compresses every
+gradient the hook would compress (``min_numel`` and more elements, compressed at least twice smaller: the
+hook's defaults) one after the other, as the hook does, then decompresses every payload. Methods alternate
+(their order rotated every repetition), and the table gives each one's median over the repetitions of CPU
+ms per pass over all the gradients (``time.process_time``; one torch thread, so nothing else runs in the
+process).
+
+    python benchmarks/bench_codecs.py [--workloads cnn transformer] [--methods signsgd terngrad ...] [--reps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_compression import _one_bucket  # noqa: E402
+
+from gradcomm.compression.base import Compressor  # noqa: E402
+from gradcomm.compression.registry import methods  # noqa: E402
+from gradcomm.hooks.compression_hook import CompressionState  # noqa: E402
+
+
+def _compressed_gradients(workload: str, compressor: Compressor) -> list[torch.Tensor]:
+    """The workload's gradients (fixed random values) that the hook, at its defaults, would compress."""
+    state = CompressionState(compressor)
+    return [gradient for gradient in _one_bucket(workload).gradients() if state.compresses(gradient)]
+
+
+def _pass_seconds(compressor: Compressor, gradients: list[torch.Tensor]) -> tuple[float, float]:
+    """CPU seconds of compressing every gradient, then of decompressing every payload."""
+    start = time.process_time()
+    encoded = []
+    for key, gradient in enumerate(gradients):
+        with compressor.stream(key):
+            encoded.append(compressor.compress(gradient))
+    middle = time.process_time()
+    for payload, ctx in encoded:
+        compressor.decompress(payload, ctx)
+    return middle - start, time.process_time() - middle
+
+
+def measure(workload: str, names: list[str], reps: int) -> dict[str, tuple[list[float], list[float]]]:
+    """Per method, its encode and decode seconds of each repetition (after two untimed passes)."""
+    compressors = {name: methods()[name]() for name in names}
+    gradients = {name: _compressed_gradients(workload, compressor) for name, compressor in compressors.items()}
+    for name in names:
+        for _ in range(2):
+            _pass_seconds(compressors[name], gradients[name])
+    seconds: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in names}
+    for rep in range(reps):
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            encode, decode = _pass_seconds(compressors[name], gradients[name])
+            seconds[name][0].append(encode)
+            seconds[name][1].append(decode)
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="+", choices=["cnn", "transformer"], default=["cnn", "transformer"])
+    parser.add_argument("--methods", nargs="+", default=sorted(methods()))
+    parser.add_argument("--reps", type=int, default=30)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    print("$ python benchmarks/bench_codecs.py " + shlex.join(argv if argv is not None else sys.argv[1:]))
+    for workload in args.workloads:
+        seconds = measure(workload, args.methods, args.reps)
+        print(f"\n### {workload}: CPU ms per pass over the compressed gradients (median of {args.reps})\n")
+        print("| method | encode | decode | both |\n|---|---|---|---|")
+        for name, (encode, decode) in seconds.items():
+            both = [e + d for e, d in zip(encode, decode, strict=True)]
+            print(
+                f"| {name} | {1e3 * statistics.median(encode):.2f} | {1e3 * statistics.median(decode):.2f} "
+                f"| {1e3 * statistics.median(both):.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
