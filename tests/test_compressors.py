@@ -264,6 +264,18 @@ def test_bit_packing_gives_every_byte_from_its_codes(bits):
     assert torch.equal(pack_bits(shifted, bits), byte.to(torch.uint8))
 
 
+@pytest.mark.parametrize("scale", [1.0, 3e37, 1e-40])
+@FAST
+@given(numel=st.integers(1, 5000), shift=st.floats(-3, 3), seed=st.integers(0, 2**16))
+def test_safe_std_is_the_population_std_without_overflow(scale, numel, shift, seed):
+    x = (torch.randn(numel, generator=torch.Generator().manual_seed(seed)) + shift) * scale
+    exact = x.double().std(correction=0)
+    std = _numerics.safe_std(x)
+    assert std.dtype == torch.float32 and torch.isfinite(std)
+    assert abs(float(std) - float(exact)) <= 1e-5 * float(exact) + 2e-45  # float32 sums; subnormal spacing
+    assert float(_numerics.safe_std(torch.full((numel,), scale))) == 0.0
+
+
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_bit_packing_is_one_little_endian_stream_of_exact_width_codes(bits):
     codes = torch.randint(0, 2**bits, (2, 29), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
