@@ -73,7 +73,7 @@ class QSGD(RandomizedCompressor, name="qsgd", summary="QSGD stochastic quantizat
         scaled = relative.mul_(self.levels / nonzero_or_one(relative_norm))  # |x| / norm * levels, <= levels
         noise = uniform_bits(scaled.shape, self.generator(flat.device), flat.device)
         levels = scaled.add_(noise, alpha=UNIFORM_SCALE).floor_().clamp_(max=self.levels)
-        codes = torch.copysign(levels, buckets).add_(self.levels)  # -0.0 (x = -0): code levels, as +0
+        codes = levels.copysign_(buckets).add_(self.levels)  # -0.0 (x = -0): code levels, as +0
         return [pack_bits(codes.reshape(-1), self._bits), norms.reshape(-1)], TensorSpec.of(tensor)
 
     def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:

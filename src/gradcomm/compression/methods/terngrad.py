@@ -60,7 +60,7 @@ class TernGrad(RandomizedCompressor, name="terngrad", summary="TernGrad ternary 
         # keep (as 1, else 0) where noise < |x| / scale: the difference is in (-1, 1], so its ceiling is 0 or 1
         # (a zero scale: all zeros, 0 / 1)
         keep = magnitude.div_(nonzero_or_one(scale)).sub_(noise, alpha=UNIFORM_SCALE).ceil_()
-        codes = torch.copysign(keep, flat).add_(1)  # 0, 1, 2 for -scale, 0, +scale (x = -0 or keep -0: 1)
+        codes = keep.copysign_(flat).add_(1)  # 0, 1, 2 for -scale, 0, +scale (x = -0 or keep -0: 1)
         return [pack_bits(codes, 2), scale.reshape(1)], TensorSpec.of(tensor)
 
     def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
