@@ -30,9 +30,11 @@ from gradcomm.compression._numerics import (
     UNIFORM_SCALE,
     decode_bits,
     pack_bits,
+    pack_signs,
     top_magnitudes,
     uniform_bits,
     unpack_bits,
+    unpack_signs,
 )
 from gradcomm.compression.communicators import compensated_compress
 from gradcomm.compression.registry import methods
@@ -262,6 +264,19 @@ def test_bit_packing_gives_every_byte_from_its_codes(bits):
     assert torch.equal(pack_bits(codes, bits), byte.to(torch.uint8).unsqueeze(1))
     shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), codes.reshape(-1)])[3:]  # storage offset 3
     assert torch.equal(pack_bits(shifted, bits), byte.to(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@FAST
+@given(ranks=st.integers(1, 9), length=st.integers(1, 200), seed=st.integers(0, 2**16))
+def test_majority_signs_is_the_sign_of_the_summed_signs(dtype, ranks, length, seed):
+    x = torch.randn(ranks, length, generator=torch.Generator().manual_seed(seed))
+    x[:, : length // 4] = torch.tensor([0.0, -0.0, float("nan")]).repeat(length)[: length // 4]  # their codes
+    packed = torch.stack([pack_signs(row) for row in x])
+    summed = unpack_signs(packed, length, torch.float64).sum(dim=0)
+    votes = _numerics.majority_signs(packed, length, dtype)
+    assert votes.dtype == dtype and votes.shape == (length,)
+    assert torch.equal(votes, summed.sign().to(dtype))
 
 
 @pytest.mark.parametrize("scale", [1.0, 3e37, 1e-40])

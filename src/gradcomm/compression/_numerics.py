@@ -23,6 +23,7 @@ __all__ = [
     "as_uint8",
     "decode_bits",
     "index_dtype",
+    "majority_signs",
     "nonzero_or_one",
     "ordered_mean",
     "pack_bits",
@@ -276,6 +277,52 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
 def unpack_signs(packed: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`pack_signs` as ``+1``/``-1`` of ``dtype``."""
     return decode_bits(packed, 1, length, sign_values(dtype, packed.device))
+
+
+def majority_signs(packed: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """The vote ``sign(sum_r (2 b_r - 1))`` of the first ``length`` sign bits of every row of ``packed`` (rows:
+    ranks, bits as :func:`pack_signs` makes them), as ``+1``, ``-1`` or ``0`` (a tie) of ``dtype``.
+
+    Counted on the packed bytes themselves: the bits' sum at each position is kept in bit planes (plane
+    ``j`` holds bit ``j`` of every position's count), each row added by a ripple of xor and and; two planes
+    then say where the count is above half the rows and where below, and one lookup per byte pair decodes
+    both into values. About ``2 rows log2(rows)`` byte-wise passes over an eighth of the elements, where
+    decoding every row into floats and summing them made ``rows`` full float passes and as many additions.
+    """
+    rows = packed.shape[0]
+    planes: list[torch.Tensor] = []
+    for row in packed.unbind(0):
+        carry = row
+        for j, plane in enumerate(planes):
+            planes[j], carry = plane ^ carry, plane & carry
+        if len(planes) < rows.bit_length():
+            planes.append(carry)
+    above = _count_above(planes, rows // 2)  # count > rows / 2
+    below = _count_above(planes, (rows + 1) // 2 - 1).bitwise_not_()  # count < rows / 2
+    pairs = torch.stack([above, below], dim=-1).view(torch.int16).reshape(-1).to(torch.int32).bitwise_and_(0xFFFF)
+    return _vote_table(dtype, packed.device).index_select(0, pairs).reshape(-1)[:length]
+
+
+def _count_above(planes: list[torch.Tensor], bound: int) -> torch.Tensor:
+    """Bits set where the count held in ``planes`` (least significant first) exceeds ``bound``: compared from
+    the most significant plane down, as long as the higher bits are equal."""
+    above = torch.zeros_like(planes[0])
+    equal = torch.full_like(planes[0], 0xFF)
+    for j in reversed(range(len(planes))):
+        if (bound >> j) & 1:
+            equal &= planes[j]
+        else:
+            above |= equal & planes[j]
+            equal &= ~planes[j]
+    return above
+
+
+@functools.lru_cache(maxsize=8)
+def _vote_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Row ``a + 256 b``: the 8 votes of a byte ``a`` of "above" bits and ``b`` of "below" bits (``+1``, ``-1``,
+    else ``0``). 65,536 rows: 2 MB in float32, made once per dtype and device; read it, never write it."""
+    bits = (torch.arange(65536, device=device).unsqueeze(1) >> torch.arange(16, device=device)) & 1
+    return (bits[:, :8] - bits[:, 8:]).to(dtype)
 
 
 @functools.lru_cache(maxsize=64)
