@@ -15,11 +15,9 @@ CPU, counted where they lie, packed (:func:`~gradcomm.compression._numerics.majo
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from gradcomm.compression._numerics import majority_signs, pack_signs, unpack_signs, work_dtype
+from gradcomm.compression._numerics import majority_signs, pack_signs, unpack_signs
 from gradcomm.compression.base import Compressor, ErrorFeedback, Payload, TensorSpec
 from gradcomm.compression.communicators import ALLGATHER
 
@@ -41,10 +39,4 @@ class SignSGD(Compressor, name="signsgd", summary="signSGD with majority vote"):
     def aggregate(self, gathered: Payload, ctx: TensorSpec) -> torch.Tensor:
         if gathered[0].shape[0] == 1:  # one rank: the vote is its signs
             return self.decompress([gathered[0][0]], ctx)
-        if gathered[0].device.type == "cpu":
-            return majority_signs(gathered[0], ctx.numel, ctx.dtype).view(ctx.shape)
-        # Elsewhere the float sum, a few kernels whatever the world size (the bit-plane count launches about
-        # 2 W log2(W) small ones; not measured on a GPU). Row by row: a reduction over the leading (rank)
-        # axis is several times slower; exact up to 2**24 ranks.
-        votes = functools.reduce(torch.add, unpack_signs(gathered[0], ctx.numel, work_dtype(ctx.dtype)).unbind(0))
-        return votes.sign().to(ctx.dtype).view(ctx.shape)
+        return majority_signs(gathered[0], ctx.numel, ctx.dtype).view(ctx.shape)
