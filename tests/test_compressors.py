@@ -29,6 +29,7 @@ from gradcomm.compression import (
 from gradcomm.compression._numerics import (
     UNIFORM_SCALE,
     decode_bits,
+    gather_rows,
     pack_bits,
     pack_signs,
     top_magnitudes,
@@ -346,6 +347,24 @@ def test_decode_bits_looks_up_each_code_in_its_rows_values(bits):
     packed = pack_bits(codes, bits)
     assert torch.equal(decode_bits(packed, bits, 21, values), values.gather(1, codes.long()))
     assert torch.equal(decode_bits(packed, bits, 21, values[1]), values[1][codes.long()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.uint8, torch.int32, torch.bool])
+@FAST
+@given(seed=st.integers(0, 2**16))
+def test_gather_rows_copies_the_rows_bits_as_index_select_does(dtype, seed):
+    """Rows of 1-16 bytes go as one element of another dtype (int64, complex128, ...): every bit pattern,
+    NaN payloads and signalling NaNs included, must come out as ``index_select`` copies it, at every width."""
+    generator = torch.Generator().manual_seed(seed)
+    size = torch.empty((), dtype=dtype).element_size()
+    for width in range(1, 18):
+        raw = torch.randint(0, 256, (50, width * size), dtype=torch.uint8, generator=generator)
+        table = (raw & 1).view(torch.bool) if dtype == torch.bool else raw.view(dtype)
+        index = torch.randint(0, 50, (300,), dtype=torch.int32, generator=generator)
+        expected = table.index_select(0, index)
+        gathered = gather_rows(table, index)
+        assert gathered.shape == expected.shape and gathered.dtype == expected.dtype, width
+        assert torch.equal(gathered.view(torch.uint8), expected.view(torch.uint8)), width
 
 
 def test_bit_packing_of_views_at_any_offset():

@@ -22,6 +22,7 @@ import torch
 __all__ = [
     "as_uint8",
     "decode_bits",
+    "gather_rows",
     "index_dtype",
     "majority_signs",
     "nonzero_or_one",
@@ -257,8 +258,27 @@ def decode_bits(packed: torch.Tensor, bits: int, length: int, values: torch.Tens
     else:  # one table per row, side by side: row r's bytes index rows 256 * r onwards
         table = values.reshape(-1, 2**bits)[:, patterns].reshape(-1, patterns.shape[1])
         rows += 256 * torch.arange(rows.shape[0], dtype=torch.int32, device=packed.device).unsqueeze(1)
-    decoded = table.index_select(0, rows.reshape(-1))
+    decoded = gather_rows(table, rows.reshape(-1))
     return decoded.reshape(*packed.shape[:-1], -1)[..., :length]
+
+
+_ROW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}
+"""A dtype of each row size that :func:`gather_rows` copies as one element."""
+
+
+def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``table.index_select(0, index)`` for a contiguous 2-D ``table``, its bits copied unchanged.
+
+    ``index_select`` copies a 2-D table row by row, about 2.3 ns per row on the CPU whatever the row's width;
+    a row of 1, 2, 4, 8 or 16 bytes is gathered as one element of a dtype of that size instead (about 0.6
+    ns): 4x faster for the 2- and 4-bit codes' tables of float32 (2 and 4 values per byte). Wider rows (one
+    bit per code: 8 values, 32 bytes) are written at memory speed either way and go as they are.
+    """
+    row_dtype = _ROW_DTYPES.get(table.shape[1] * table.element_size())
+    if row_dtype is None or not table.is_contiguous():
+        return table.index_select(0, index)
+    rows = table.view(torch.uint8).view(row_dtype).reshape(-1)
+    return rows.index_select(0, index).view(torch.uint8).view(table.dtype).view(-1, table.shape[1])
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:
@@ -308,7 +328,7 @@ def majority_signs(packed: torch.Tensor, length: int, dtype: torch.dtype) -> tor
     above = _count_above(planes, rows // 2)  # count > rows / 2
     below = _count_above(planes, (rows + 1) // 2 - 1).bitwise_not_()  # count < rows / 2
     pairs = torch.stack([above, below], dim=-1).view(torch.int16).reshape(-1).to(torch.int32).bitwise_and_(0xFFFF)
-    return _vote_table(dtype, packed.device).index_select(0, pairs).reshape(-1)[:length]
+    return gather_rows(_vote_table(dtype, packed.device), pairs).reshape(-1)[:length]
 
 
 def _count_above(planes: list[torch.Tensor], bound: int) -> torch.Tensor:
