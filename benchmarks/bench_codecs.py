@@ -7,14 +7,18 @@ gradient the hook would compress (``min_numel`` and more elements, compressed at
 hook's defaults) one after the other, as the hook does, then decompresses every payload. Methods alternate
 (their order rotated every repetition), and the table gives each one's median over the repetitions of CPU
 ms per pass over all the gradients (``time.process_time``; one torch thread, so nothing else runs in the
-process).
+process). ``--instructions`` counts instead the instructions of one pass of each method under valgrind's
+callgrind (after two untimed passes, in one process per workload): exact and repeatable, where the timings of
+the same tree move by 30% or more between runs on a busy host, but blind to memory stalls and page faults.
 
     python benchmarks/bench_codecs.py [--workloads cnn transformer] [--methods signsgd terngrad ...] [--reps 30]
+    python benchmarks/bench_codecs.py --instructions [--workloads ...] [--methods ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import statistics
 import sys
@@ -26,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_compression import _one_bucket  # noqa: E402
+from callgrind import count_instructions  # noqa: E402
 
 from gradcomm.compression.base import Compressor  # noqa: E402
 from gradcomm.compression.registry import methods  # noqa: E402
@@ -38,16 +43,21 @@ def _compressed_gradients(workload: str, compressor: Compressor) -> list[torch.T
     return [gradient for gradient in _one_bucket(workload).gradients() if state.compresses(gradient)]
 
 
-def _pass_seconds(compressor: Compressor, gradients: list[torch.Tensor]) -> tuple[float, float]:
-    """CPU seconds of compressing every gradient, then of decompressing every payload."""
+def _pass_seconds(compressor: Compressor, gradients: list[torch.Tensor], marked: bool = False) -> tuple[float, float]:
+    """CPU seconds of compressing every gradient, then of decompressing every payload; ``marked``: each half
+    ends at a callgrind dump (``os.getpgrp()``)."""
     start = time.process_time()
     encoded = []
     for key, gradient in enumerate(gradients):
         with compressor.stream(key):
             encoded.append(compressor.compress(gradient))
+    if marked:
+        os.getpgrp()
     middle = time.process_time()
     for payload, ctx in encoded:
         compressor.decompress(payload, ctx)
+    if marked:
+        os.getpgrp()
     return middle - start, time.process_time() - middle
 
 
@@ -68,14 +78,52 @@ def measure(workload: str, names: list[str], reps: int) -> dict[str, tuple[list[
     return seconds
 
 
+_UNDER_VALGRIND = "GRADCOMM_CALLGRIND_CHILD"
+
+
+def _marked_passes(workload: str, names: list[str]) -> None:
+    """Under callgrind: each method's encoding, then its decoding, as one marked stretch each, after one empty
+    stretch (the first call of each marker binds its symbol, and callgrind counts that first stretch wrongly)."""
+    os.getppid()
+    os.getpgrp()
+    for name in names:
+        compressor = methods()[name]()
+        gradients = _compressed_gradients(workload, compressor)
+        for _ in range(2):
+            _pass_seconds(compressor, gradients)
+        os.getppid()  # callgrind: zero the counters here
+        _pass_seconds(compressor, gradients, marked=True)
+
+
+def instructions(workload: str, names: list[str]) -> dict[str, tuple[int, int]]:
+    """Per method, the instructions of one pass of encoding and of decoding."""
+    command = [sys.executable, __file__, "--workloads", workload, "--methods", *names]
+    # each getpgrp dumps twice (libc's symbol and its alias; the second holds a few instructions)
+    counts = count_instructions(command, {_UNDER_VALGRIND: "1"})[2::2]
+    return {name: (counts[2 * i], counts[2 * i + 1]) for i, name in enumerate(names)}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", choices=["cnn", "transformer"], default=["cnn", "transformer"])
     parser.add_argument("--methods", nargs="+", default=sorted(methods()))
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--instructions", action="store_true", help="count instructions under callgrind instead")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if os.environ.get(_UNDER_VALGRIND):
+        for workload in args.workloads:
+            _marked_passes(workload, args.methods)
+        return
     print("$ python benchmarks/bench_codecs.py " + shlex.join(argv if argv is not None else sys.argv[1:]))
+    if args.instructions:
+        for workload in args.workloads:
+            counts = instructions(workload, args.methods)
+            print(f"\n### {workload}: millions of instructions per pass over the compressed gradients\n")
+            print("| method | encode | decode | both |\n|---|---|---|---|")
+            for name, (encode, decode) in counts.items():
+                print(f"| {name} | {encode / 1e6:.2f} | {decode / 1e6:.2f} | {(encode + decode) / 1e6:.2f} |")
+        return
     for workload in args.workloads:
         seconds = measure(workload, args.methods, args.reps)
         print(f"\n### {workload}: CPU ms per pass over the compressed gradients (median of {args.reps})\n")

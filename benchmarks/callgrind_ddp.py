@@ -20,7 +20,6 @@ import copy
 import cProfile
 import os
 import pstats
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,6 +31,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_ddp import SHAPES  # noqa: E402
+from callgrind import count_instructions  # noqa: E402
 
 import gradcomm  # noqa: E402
 from gradcomm.bench.timing import timed_step  # noqa: E402
@@ -74,31 +74,8 @@ def _steps(shape: str, kind: str, steps: int, profile: bool, copies: bool) -> No
 
 def _callgrind(args: argparse.Namespace) -> int:
     """Run this script under callgrind and print the instructions counted per step."""
-    with tempfile.TemporaryDirectory() as folder:
-        out = os.path.join(folder, "callgrind.out")
-        command = [
-            "valgrind",
-            "--tool=callgrind",
-            f"--callgrind-out-file={out}",
-            "--zero-before=*getppid",
-            "--dump-before=*getpgrp",
-            sys.executable,
-            __file__,
-            "--shape",
-            args.shape,
-            "--ddp",
-            args.ddp,
-            "--steps",
-            str(args.steps),
-            *(["--copies"] if args.copies else []),
-        ]
-        env = {**os.environ, _UNDER_VALGRIND: "1", "PYTHONHASHSEED": "0"}
-        subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        dumps = sorted(Path(folder).glob("callgrind.out.*"), key=lambda p: int(p.name.rsplit(".", 1)[1]))
-        if not dumps:
-            raise SystemExit("callgrind wrote no dump at getpgrp: was the marker call renamed in this libc?")
-        totals = [line for line in dumps[0].read_text().splitlines() if line.startswith(("summary:", "totals:"))]
-        instructions = int(totals[0].split()[1])
+    command = [sys.executable, __file__, "--shape", args.shape, "--ddp", args.ddp, "--steps", str(args.steps)]
+    instructions = count_instructions([*command, *(["--copies"] if args.copies else [])], {_UNDER_VALGRIND: "1"})[0]
     setting = ", gradient_as_bucket_view=False" if args.copies else ""
     print(
         f"{args.ddp} DDP{setting}, shape {args.shape}, {args.steps} steps: {instructions / args.steps / 1e6:.2f}M "
