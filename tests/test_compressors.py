@@ -4,6 +4,7 @@ error-feedback bookkeeping, and finiteness at the edges of the floating-point ra
 import io
 import math
 import pickle
+import sys
 from functools import partial
 
 import numpy as np
@@ -27,13 +28,13 @@ from gradcomm.compression import (
     _numerics,
 )
 from gradcomm.compression._numerics import (
-    UNIFORM_SCALE,
+    NOISE_SCALE,
+    centred_noise,
     decode_bits,
     gather_rows,
     pack_bits,
     pack_signs,
     top_magnitudes,
-    uniform_bits,
     unpack_bits,
     unpack_signs,
 )
@@ -153,6 +154,51 @@ def _assert_unbiased(mean: torch.Tensor, x: torch.Tensor, std_bound: torch.Tenso
 unbiased_inputs = hnp.arrays(
     np.float32, st.integers(1, 48), elements=st.floats(-10, 10, width=32, allow_subnormal=False)
 ).map(torch.from_numpy)
+
+
+@pytest.mark.parametrize(
+    "make", [partial(QSGD, levels=1), QSGD, partial(QSGD, levels=127, bucket_size=64), TernGrad, partial(TernGrad, clip=None)]
+)
+@pytest.mark.parametrize("noise", [-(2**15), -1, 0, 2**15 - 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_stochastic_rounding_at_the_noise_extremes(make, noise, dtype, monkeypatch):
+    """With every draw at one value, u = 1/2 + noise * 2**-16 is the same for every element: each level is its
+    exact value rounded down or up (down for all at u = 0), and a level that is already whole (+-levels in a
+    bucket of one nonzero; +-scale) comes back exactly. That is where the bound arguments in the methods'
+    comments are tight (u = 1 - 2**-16 on a whole level, 127 levels too)."""
+    compressor = make()
+    qsgd = isinstance(compressor, QSGD)
+    module = sys.modules[type(compressor).__module__]
+    monkeypatch.setattr(module, "centred_noise", lambda shape, generator, device: torch.full(shape, noise, dtype=torch.int16))
+    generator = torch.Generator().manual_seed(noise)
+    one_hot = torch.zeros(4096)
+    one_hot[::512] = torch.randn(8, generator=generator)  # one nonzero per bucket of 64 or 512
+    for x in (torch.randn(3000, generator=generator), -torch.rand(777, generator=generator), one_hot, torch.zeros(640)):
+        one_nonzero_per_bucket = x is one_hot
+        x = x.to(dtype)
+        y = round_trip(compressor, x).double()
+        exact = x.double()
+        if qsgd:
+            padded = torch.nn.functional.pad(exact, (0, -x.numel() % compressor.bucket_size))
+            norms = padded.view(-1, compressor.bucket_size).norm(dim=1, keepdim=True)
+            step = (norms / compressor.levels).expand(-1, compressor.bucket_size).reshape(-1)[: x.numel()]
+        else:
+            step = y.abs().max().expand(x.shape)  # the ternary scale (clipped or not)
+            if compressor.clip is None:
+                assert torch.allclose(step, exact.abs().max().expand(x.shape), rtol=1e-6)
+            exact = torch.minimum(torch.maximum(exact, -step), step)
+        tolerance = 1e-5 * step + 1e-300  # the codec's float32 arithmetic
+        assert (y >= exact - step - tolerance).all() and (y <= exact + step + tolerance).all()
+        levels = y / torch.where(step > 0, step, 1)
+        assert (levels - levels.round()).abs().max() < 1e-4  # whole levels only
+        if noise == -(2**15):  # u = 0: every level rounds down
+            assert (y <= exact + tolerance).all()
+        if qsgd:  # +-levels where a bucket has one nonzero, and 0
+            whole = (exact != 0) if one_nonzero_per_bucket else (exact == 0)
+        else:  # +-scale
+            whole = exact.abs() >= step
+        assert ((y - exact).abs()[whole] <= tolerance[whole]).all()
+        assert not y[x == 0].any()
 
 
 @SLOW
@@ -301,19 +347,23 @@ def test_bit_packing_is_one_little_endian_stream_of_exact_width_codes(bits):
         assert packed[row].tolist() == list(stream.to_bytes(math.ceil(29 * bits / 8), "little"))
 
 
-def test_uniform_bits_are_24_uniform_bits_per_element_repeatable_from_the_seed():
-    draws = [uniform_bits((3, 100_001), torch.Generator().manual_seed(5), torch.device("cpu")) for _ in range(2)]
-    assert torch.equal(draws[0], draws[1]) and draws[0].shape == (3, 100_001) and draws[0].dtype == torch.int32
-    other = uniform_bits((3, 100_001), torch.Generator().manual_seed(6), torch.device("cpu"))
+def test_centred_noise_is_16_uniform_bits_per_element_repeatable_from_the_seed():
+    draws = [centred_noise((3, 100_001), torch.Generator().manual_seed(5), torch.device("cpu")) for _ in range(2)]
+    assert torch.equal(draws[0], draws[1]) and draws[0].shape == (3, 100_001) and draws[0].dtype == torch.int16
+    other = centred_noise((3, 100_001), torch.Generator().manual_seed(6), torch.device("cpu"))
     assert not torch.equal(draws[0], other)
-    flat = draws[0].reshape(-1)
-    assert int(flat.min()) >= 0 and int(flat.max()) < 2**24
-    # every bit is a fair coin: 300,003 draws, 6 standard errors (0.5 / sqrt(n)) of its frequency
-    for bit in range(24):
-        assert abs(float(((flat >> bit) & 1).double().mean()) - 0.5) < 6 * 0.5 / math.sqrt(flat.numel())
-    # neighbours (the two halves of one 64-bit draw) are uncorrelated
-    u = flat.double() * UNIFORM_SCALE
-    assert abs(float(torch.corrcoef(torch.stack([u[0::2][:150_000], u[1::2][:150_000]]))[0, 1])) < 0.02
+    flat = draws[0].reshape(-1).to(torch.int32)
+    # every bit is a fair coin, the sign bit of all four int16 of a 64-bit draw included: 6 standard errors
+    for lane in range(4):
+        of_lane = flat[lane::4]
+        for bit in range(16):
+            frequency = float(((of_lane >> bit) & 1).double().mean())
+            assert abs(frequency - 0.5) < 6 * 0.5 / math.sqrt(of_lane.numel()), (lane, bit)
+    u = flat.double() * NOISE_SCALE
+    assert float(u.min()) >= -0.5 and float(u.max()) < 0.5 and abs(float(u.mean())) < 0.003
+    # neighbours (parts of one 64-bit draw) are uncorrelated
+    assert abs(float(torch.corrcoef(torch.stack([u[0::4][:75_000], u[1::4][:75_000]]))[0, 1])) < 0.03
+    assert abs(float(torch.corrcoef(torch.stack([u[0::4][:75_000], u[3::4][:75_000]]))[0, 1])) < 0.03
 
 
 @pytest.mark.parametrize("bits", [0, 9, 2.0, True])

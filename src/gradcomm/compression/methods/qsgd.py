@@ -15,10 +15,10 @@ Trade-offs: unbiased, with variance at most ``min(d / s**2, sqrt(d) / s) * ||buc
 ``d = bucket_size``); error feedback is off by default (not needed for convergence) but may be switched on.
 Per-rank norms and randomness make payloads non-summable: they are all-gathered. Elias coding of the levels
 (the paper's further lossless compression) is replaced by fixed-width codes: simpler and GPU-friendly, with
-a payload size independent of the values. Random draws come from generators seeded by ``(seed, rank, parameter, draw count)``
-(:class:`~gradcomm.compression.base.RandomizedCompressor`): independent across ranks and parameters, and
-the same whatever order the tensors are compressed in; the noise has ``torch.rand``'s float32 resolution
-(:func:`~gradcomm.compression._numerics.uniform_bits`), so a level is unbiased up to ``2**-24`` of a step.
+a payload size independent of the values. Random draws come from generators seeded by ``(seed, rank,
+parameter, draw count)`` (:class:`~gradcomm.compression.base.RandomizedCompressor`): independent across ranks
+and parameters, and the same whatever order the tensors are compressed in. The noise has 16 bits
+(:func:`~gradcomm.compression._numerics.centred_noise`), so a level is unbiased up to ``2**-16`` of a step.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from __future__ import annotations
 import torch
 
 from gradcomm.compression._numerics import (
-    UNIFORM_SCALE,
+    NOISE_SCALE,
+    centred_noise,
     decode_bits,
     nonzero_or_one,
     pack_bits,
-    uniform_bits,
     unpack_bits,
     work_dtype,
 )
@@ -63,17 +63,20 @@ class QSGD(RandomizedCompressor, name="qsgd", summary="QSGD stochastic quantizat
         flat = tensor.reshape(-1).to(work_dtype(tensor.dtype))
         padding = -flat.numel() % self.bucket_size
         buckets = (torch.nn.functional.pad(flat, (0, padding)) if padding else flat).view(-1, self.bucket_size)
-        # The norm as safe_norm computes it (peak * ||x / peak||), its parts reused: |x| / norm is
-        # (|x| / peak) / ||x / peak||, and ||x / peak|| >= 1 (its peak element is 1) or 0 (a bucket of zeros).
-        magnitude = buckets.abs()
-        peak = magnitude.amax(dim=1, keepdim=True)
-        relative = magnitude.div_(nonzero_or_one(peak))
+        # The norm as safe_norm computes it (peak * ||x / peak||), its parts reused: x / norm is
+        # (x / peak) / ||x / peak||, and ||x / peak|| >= 1 (its peak element is +-1) or 0 (a bucket of zeros).
+        peak = torch.maximum(buckets.amax(dim=1, keepdim=True), buckets.amin(dim=1, keepdim=True).neg_())
+        relative = buckets / nonzero_or_one(peak)
         relative_norm = relative.norm(dim=1, keepdim=True)
         norms = (peak * relative_norm).clamp_(max=torch.finfo(flat.dtype).max)
-        scaled = relative.mul_(self.levels / nonzero_or_one(relative_norm))  # |x| / norm * levels, <= levels
-        noise = uniform_bits(scaled.shape, self.generator(flat.device), flat.device)
-        levels = scaled.add_(noise, alpha=UNIFORM_SCALE).floor_().clamp_(max=self.levels)
-        codes = levels.copysign_(buckets).add_(self.levels)  # -0.0 (x = -0): code levels, as +0
+        scaled = relative.mul_(self.levels / nonzero_or_one(relative_norm))  # x / norm * levels, in [-levels, levels]
+        noise = centred_noise(scaled.shape, self.generator(flat.device), flat.device)
+        # The code is levels + floor(y + u), u = 1/2 + noise * NOISE_SCALE uniform on [0, 1): the signed level y
+        # rounded down or up, up with the chance of its fraction (for y < 0 too: -1.25 is -1 or -2, -2 a quarter
+        # of the time, as sign * the rounding of |y| would be). The sum is in [0, 2 levels + 1 - 2**-16], exact at
+        # that end (levels <= 127), so truncation towards zero in the integer conversion is the floor, and
+        # codes never pass 2 levels.
+        codes = scaled.add_(noise, alpha=NOISE_SCALE).add_(self.levels + 0.5)
         return [pack_bits(codes.reshape(-1), self._bits), norms.reshape(-1)], TensorSpec.of(tensor)
 
     def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:

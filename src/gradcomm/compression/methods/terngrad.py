@@ -12,8 +12,8 @@ mitigates. The paper's scalar sharing (one ``s`` for all ranks, making ternaries
 extra collective; here each rank keeps its scale and payloads are all-gathered. Error feedback is off by
 default. Random draws come from generators seeded by ``(seed, rank, parameter, draw count)``
 (:class:`~gradcomm.compression.base.RandomizedCompressor`): independent across ranks and parameters, and
-the same whatever order the tensors are compressed in; the noise has ``torch.rand``'s float32 resolution
-(:func:`~gradcomm.compression._numerics.uniform_bits`), so ``b_i`` is unbiased up to ``2**-24``.
+the same whatever order the tensors are compressed in. The noise has 16 bits
+(:func:`~gradcomm.compression._numerics.centred_noise`), so ``b_i`` is unbiased up to ``2**-16``.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from __future__ import annotations
 import torch
 
 from gradcomm.compression._numerics import (
-    UNIFORM_SCALE,
+    NOISE_SCALE,
+    centred_noise,
     decode_bits,
     nonzero_or_one,
     pack_bits,
     safe_std,
-    uniform_bits,
     work_dtype,
 )
 from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompressor, TensorSpec
@@ -49,18 +49,20 @@ class TernGrad(RandomizedCompressor, name="terngrad", summary="TernGrad ternary 
 
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, TensorSpec]:
         flat = tensor.reshape(-1).to(work_dtype(tensor.dtype))
-        magnitude = flat.abs()
-        scale = magnitude.amax()
+        scale = torch.maximum(flat.amax(), flat.amin().neg_())
         if self.clip is not None:
             std = safe_std(flat, scale)
-            # Clipping x to +-bound is clipping |x| to bound (signs are x's); a constant tensor is not clipped.
+            # a constant tensor is not clipped
             scale = torch.where(std > 0, torch.minimum(self.clip * std, scale), scale)
-            magnitude = magnitude.clamp_(max=scale)
-        noise = uniform_bits(flat.shape, self.generator(flat.device), flat.device)
-        # keep (as 1, else 0) where noise < |x| / scale: the difference is in (-1, 1], so its ceiling is 0 or 1
-        # (a zero scale: all zeros, 0 / 1)
-        keep = magnitude.div_(nonzero_or_one(scale)).sub_(noise, alpha=UNIFORM_SCALE).ceil_()
-        codes = keep.copysign_(flat).add_(1)  # 0, 1, 2 for -scale, 0, +scale (x = -0 or keep -0: 1)
+        fraction = flat / nonzero_or_one(scale)  # p = x / scale (a zero scale: all zeros, 0 / 1)
+        if self.clip is not None:
+            fraction.clamp_(-1, 1)  # clipping x to +-scale
+        noise = centred_noise(flat.shape, self.generator(flat.device), flat.device)
+        # The code is 1 + floor(p + u), u = 1/2 + noise * NOISE_SCALE uniform on [0, 1): for p >= 0, 1 with
+        # chance p, else 0; for p < 0, -1 with chance |p|, else 0. The sum is in [0, 3 - 2**-16], exact at that
+        # end, so truncation towards zero in the integer conversion is the floor: codes 0, 1, 2 for -scale, 0,
+        # +scale.
+        codes = fraction.add_(noise, alpha=NOISE_SCALE).add_(1.5)
         return [pack_bits(codes, 2), scale.reshape(1)], TensorSpec.of(tensor)
 
     def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
