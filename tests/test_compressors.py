@@ -366,6 +366,18 @@ def test_centred_noise_is_16_uniform_bits_per_element_repeatable_from_the_seed()
     assert abs(float(torch.corrcoef(torch.stack([u[0::4][:75_000], u[3::4][:75_000]]))[0, 1])) < 0.03
 
 
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_float_codes_become_their_truncated_bytes_at_every_width(bits, dtype):
+    whole = torch.arange(2**bits, dtype=dtype).repeat(3)
+    fractions = torch.tensor([0.0, 0.5, 1 - 2**-12], dtype=dtype).repeat_interleave(2**bits)
+    codes = torch.cat([whole + fractions, -torch.zeros(5, dtype=dtype)])
+    expected = list(range(2**bits)) * 3 + [0] * 5
+    assert _numerics.as_uint8(codes, bits).tolist() == expected
+    assert _numerics.as_uint8(codes).tolist() == expected  # bits=8: the int32 route
+    assert _numerics.as_uint8(codes > 0).dtype == torch.uint8
+
+
 @pytest.mark.parametrize("bits", [0, 9, 2.0, True])
 def test_bit_packing_refuses_widths_outside_1_to_8(bits):
     with pytest.raises(ValueError, match=rf"pack_bits: bits must be an integer in 1..8, got {bits!r}"):

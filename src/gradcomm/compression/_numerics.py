@@ -140,7 +140,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
         raise ValueError(f"pack_bits: bits must be an integer in 1..8, got {bits!r}")
-    codes = as_uint8(codes)
+    codes = as_uint8(codes, bits)
     if bits == 8:
         return codes
     length = codes.shape[-1]
@@ -220,12 +220,16 @@ def _unpack_words(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:
     return words.view(torch.uint8).reshape(*lead, -1)[..., :length]
 
 
-def as_uint8(codes: torch.Tensor) -> torch.Tensor:
-    """``codes`` as uint8; booleans are reinterpreted in place, floats go through int32 (several times faster
-    on the CPU than a direct float-to-uint8 conversion, and the same for codes in 0..255)."""
+def as_uint8(codes: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """``codes`` (below ``2**bits``) as uint8; booleans are reinterpreted in place, floats are truncated towards
+    zero. Floats go through int8 where the codes fit it (``bits < 8``), else through int32: on the CPU a direct
+    float-to-uint8 conversion is several times slower than either (1M floats: 0.62 ms, against 0.10 through
+    int8 and 0.27 through int32), and all give the same bytes for codes in range."""
     if codes.dtype == torch.bool:
         return codes.view(torch.uint8)
     if codes.is_floating_point():
+        if bits < 8:
+            return codes.to(torch.int8).view(torch.uint8)
         codes = codes.to(torch.int32)
     return codes.to(torch.uint8)
 

@@ -23,6 +23,8 @@ and parameters, and the same whatever order the tensors are compressed in. The n
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from gradcomm.compression._numerics import (
@@ -38,6 +40,14 @@ from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompress
 from gradcomm.compression.communicators import ALLGATHER
 
 __all__ = ["QSGD"]
+
+
+@functools.lru_cache(maxsize=64)
+def _fractions(levels: int, bits: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """What each code means, ``(c - levels) / levels`` of the bucket's norm: the fraction (at most 1 in magnitude)
+    is applied first, as ``norm / levels * levels`` can round past the dtype's maximum. Made once per setting
+    and shared: read it, never write it."""
+    return (torch.arange(2**bits, dtype=dtype, device=device) - levels) / levels
 
 
 class QSGD(RandomizedCompressor, name="qsgd", summary="QSGD stochastic quantization (unbiased)"):
@@ -82,9 +92,7 @@ class QSGD(RandomizedCompressor, name="qsgd", summary="QSGD stochastic quantizat
     def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
         packed, norms = payload
         length = norms.numel() * self.bucket_size
-        # code c means (c - levels) / levels of the norm: the fraction (at most 1 in magnitude) first, as
-        # norm / levels * levels can round past the dtype's maximum
-        fractions = (torch.arange(2**self._bits, dtype=norms.dtype, device=norms.device) - self.levels) / self.levels
+        fractions = _fractions(self.levels, self._bits, norms.dtype, norms.device)
         if 8 % self._bits == 0:
             values = decode_bits(packed, self._bits, length, fractions)
         else:

@@ -18,6 +18,8 @@ the same whatever order the tensors are compressed in. The noise has 16 bits
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from gradcomm.compression._numerics import (
@@ -33,6 +35,13 @@ from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompress
 from gradcomm.compression.communicators import ALLGATHER
 
 __all__ = ["TernGrad"]
+
+
+@functools.lru_cache(maxsize=16)
+def _ternary(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """What codes 0, 1, 2 mean: -1, 0, +1 times the scale (code 3 is never sent). Made once per dtype and device
+    and shared: read it, never write it."""
+    return torch.arange(4, dtype=dtype, device=device) - 1
 
 
 class TernGrad(RandomizedCompressor, name="terngrad", summary="TernGrad ternary quantization"):
@@ -67,5 +76,5 @@ class TernGrad(RandomizedCompressor, name="terngrad", summary="TernGrad ternary 
 
     def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
         packed, scale = payload
-        ternary = torch.arange(4, dtype=scale.dtype, device=scale.device) - 1  # code 3 is never sent
-        return decode_bits(packed, 2, ctx.numel, (ternary * scale).to(ctx.dtype)).view(ctx.shape)
+        values = (_ternary(scale.dtype, scale.device) * scale).to(ctx.dtype)
+        return decode_bits(packed, 2, ctx.numel, values).view(ctx.shape)
