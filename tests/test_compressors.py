@@ -326,6 +326,21 @@ def test_majority_signs_is_the_sign_of_the_summed_signs(dtype, ranks, length, se
     assert torch.equal(votes, summed.sign().to(dtype))
 
 
+@pytest.mark.parametrize("scale", [1.0, 1e-12, 1e-25, 1e-40, 1e19, 1e30, 3e37])
+@FAST
+@given(rows=st.integers(1, 3), numel=st.integers(1, 5000), seed=st.integers(0, 2**16), by_row=st.booleans())
+def test_safe_rms_and_mean_abs_are_exact_to_float32_at_every_magnitude(scale, rows, numel, seed, by_row):
+    """The plain means (the CPU's first try) where they are exact, and the peak-scaled ones where squares or sums
+    overflow (1e19 and up) or squares underflow (1e-25 and below): within float32's rounding of the float64 values."""
+    x = torch.randn(rows, numel, generator=torch.Generator().manual_seed(seed)) * scale
+    dim = 1 if by_row else None
+    exact = x.double().square().mean(dim=dim, keepdim=by_row).sqrt(), x.double().abs().mean(dim=dim, keepdim=by_row)
+    for computed, expected in zip((_numerics.safe_rms(x, dim), _numerics.safe_mean_abs(x, dim)), exact, strict=True):
+        assert computed.dtype == torch.float32 and computed.shape == expected.shape
+        assert ((computed.double() - expected).abs() <= 1e-6 * expected + 2e-45).all(), (computed, expected)
+    assert not _numerics.safe_rms(x * 0, dim).any() and not _numerics.safe_mean_abs(x * 0, dim).any()
+
+
 @pytest.mark.parametrize("scale", [1.0, 3e37, 1e-40])
 @FAST
 @given(numel=st.integers(1, 5000), shift=st.floats(-3, 3), seed=st.integers(0, 2**16))

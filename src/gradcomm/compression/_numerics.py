@@ -95,8 +95,30 @@ def safe_norm(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return (peak * norm).clamp_(max=torch.finfo(x.dtype).max)
 
 
+_PLAIN_FLOOR = 2.0**-80
+"""The smallest mean (of magnitudes or squares) that :func:`safe_rms` and :func:`safe_mean_abs` take from a plain
+sum: below it, terms lost to underflow (each under 2**-126 in float32) could matter beyond 2**-46 of it."""
+
+
+def _plain_is_exact(mean: torch.Tensor) -> bool:
+    """Whether means computed without scaling neither overflowed nor came near the underflow range. Reads the
+    values on the host, so callers ask only on the CPU (an accelerator would wait for its stream)."""
+    return bool(torch.isfinite(mean).logical_and_(mean >= _PLAIN_FLOOR).all())
+
+
 def safe_rms(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Root mean square (``||x||_2 / sqrt(n)``) without overflow or underflow (``keepdim`` along ``dim``)."""
+    """Root mean square (``||x||_2 / sqrt(n)``) without overflow or underflow (``keepdim`` along ``dim``).
+
+    On the CPU the plain mean of squares is tried first (two passes), and kept unless a square or the sum
+    overflowed or the result is close enough to underflow to have lost terms; otherwise, and on other devices,
+    the squares are of ``x`` divided by its peak magnitude (four passes). ``x.norm()`` would be faster still,
+    but its float32 sum along a dimension is 50x less accurate (4e-6 relative over 500k elements).
+    """
+    if x.device.type == "cpu":
+        squares = torch.mul(x, x)
+        mean_square = squares.mean() if dim is None else squares.mean(dim=dim, keepdim=True)
+        if _plain_is_exact(mean_square):
+            return mean_square.sqrt_()
     magnitude = x.abs()
     peak = magnitude.amax() if dim is None else magnitude.amax(dim=dim, keepdim=True)
     scaled = magnitude.div_(_nonzero(peak))  # |x| / peak: the same squares as x / peak
@@ -105,8 +127,13 @@ def safe_rms(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
 
 
 def safe_mean_abs(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean magnitude (``||x||_1 / n``) without overflow (``keepdim`` along ``dim``)."""
+    """Mean magnitude (``||x||_1 / n``) without overflow (``keepdim`` along ``dim``); on the CPU the plain mean
+    first, as :func:`safe_rms` does."""
     magnitude = x.abs()
+    if x.device.type == "cpu":
+        mean = magnitude.mean() if dim is None else magnitude.mean(dim=dim, keepdim=True)
+        if _plain_is_exact(mean):
+            return mean
     peak = magnitude.amax() if dim is None else magnitude.amax(dim=dim, keepdim=True)
     scaled = magnitude.div_(_nonzero(peak))
     return peak * (scaled.mean() if dim is None else scaled.mean(dim=dim, keepdim=True))
