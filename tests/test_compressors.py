@@ -273,10 +273,16 @@ def test_bytegrad_round_trip_within_one_quantization_step(rows):
     payload, ctx = compressor.compress_rows(rows)
     codes, low, high = payload
     assert codes.dtype == torch.uint8 and codes.shape == rows.shape
-    error = (compressor.decompress_rows(payload, ctx).double() - rows.double()).abs()
+    decoded = compressor.decompress_rows(payload, ctx)
+    error = (decoded.double() - rows.double()).abs()
     step = (rows.double().amax(dim=1, keepdim=True) - rows.double().amin(dim=1, keepdim=True)) / 255
-    # One step, plus float32 rounding of the dequantized value and the subnormal spacing.
-    assert (error <= step + 1e-6 * rows.double().abs() + 1e-44).all()
+    # Half a step (round to nearest), plus float32 rounding of the position and of the dequantized value, and
+    # the subnormal spacing.
+    assert (error <= step * (0.5 + 1e-5) + 1e-6 * rows.double().abs() + 1e-44).all()
+    # each code's value is the convex combination of its row's minimum and maximum, bit for bit as computed
+    # element by element
+    position = codes.float() / 255
+    assert torch.equal(decoded, low * (1 - position) + high * position)
 
 
 @pytest.mark.parametrize("bits", range(1, 9))

@@ -274,7 +274,7 @@ def _byte_codes(bits: int, device: torch.device) -> torch.Tensor:
 
 
 def decode_bits(packed: torch.Tensor, bits: int, length: int, values: torch.Tensor) -> torch.Tensor:
-    """The first ``length`` codes of :func:`pack_bits` (1, 2 or 4 bits wide) along the last dimension, each
+    """The first ``length`` codes of :func:`pack_bits` (1, 2, 4 or 8 bits wide) along the last dimension, each
     replaced by its value:
     ``values[code]``, with ``values`` of shape ``(2**bits,)``, or ``values[row, code]`` with one row of values
     per row of ``packed`` (shape ``(*packed.shape[:-1], 2**bits)``: per-row scales).

@@ -15,9 +15,11 @@ first stage (the second stage's error is not fed back).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from gradcomm.compression._numerics import as_uint8, safe_divide, work_dtype
+from gradcomm.compression._numerics import as_uint8, decode_bits, nonzero_or_one, work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, RowwiseCompressor
 from gradcomm.compression.communicators import TwoStageAllreduce
 
@@ -40,11 +42,24 @@ class ByteGrad(
         high = work.amax(dim=1, keepdim=True)  # two reductions: aminmax along a dimension is many times slower
         # Halve everything where the range itself overflows (max - min beyond the dtype's largest value).
         half = torch.where(torch.isfinite(high - low), 1.0, 0.5).to(work.dtype)
-        position = safe_divide(work * half - low * half, high * half - low * half)
-        codes = as_uint8(position.mul_(_LEVELS).round_().clamp_(0, _LEVELS))
-        return [codes, low, high], rows.dtype
+        span = high * half - low * half
+        steps_per_unit = torch.where(span > 0, _LEVELS / nonzero_or_one(span), 0.0)  # a constant row: all code 0
+        # The code is the position (x - low) / (high - low) times 255, rounded half up: + 1/2, then truncated by
+        # the integer conversion. x - low is in [0, high - low] (rounding is monotonic), so the code is in [0, 255]
+        # (the product passes 255 by an ulp or two at most).
+        position = (work * half).sub_(low * half)
+        return [as_uint8(position.mul_(steps_per_unit).add_(0.5)), low, high], rows.dtype
 
     def decompress_rows(self, payload: Payload, ctx: torch.dtype) -> torch.Tensor:
         codes, low, high = payload
-        position = codes.to(low.dtype) / _LEVELS
-        return (low * (1 - position) + high * position).to(ctx)  # a convex combination: cannot overflow
+        position = _positions(low.dtype, low.device)
+        # a convex combination (it cannot overflow) of each row's 256 code values, then one lookup per code
+        values = (low * (1 - position) + high * position).to(ctx)
+        return decode_bits(codes, 8, codes.shape[-1], values)
+
+
+@functools.lru_cache(maxsize=16)
+def _positions(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Code ``c``'s place between a row's minimum and maximum, ``c / 255``. Made once per dtype and device and
+    shared: read it, never write it."""
+    return torch.arange(_LEVELS + 1, dtype=dtype, device=device) / _LEVELS
