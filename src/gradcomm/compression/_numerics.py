@@ -284,8 +284,8 @@ def decode_bits(packed: torch.Tensor, bits: int, length: int, values: torch.Tens
     """
     patterns = _byte_codes(bits, packed.device)
     rows = packed.reshape(-1, packed.shape[-1]).to(torch.int32)
-    if values.dim() == 1:
-        table = values[patterns]
+    if values.dim() == 1 or rows.shape[0] == 1:  # one table
+        table = values.reshape(-1)[patterns]
     else:  # one table per row, side by side: row r's bytes index rows 256 * r onwards
         table = values.reshape(-1, 2**bits)[:, patterns].reshape(-1, patterns.shape[1])
         rows += 256 * torch.arange(rows.shape[0], dtype=torch.int32, device=packed.device).unsqueeze(1)
