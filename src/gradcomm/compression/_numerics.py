@@ -284,10 +284,11 @@ def decode_bits(packed: torch.Tensor, bits: int, length: int, values: torch.Tens
     """
     patterns = _byte_codes(bits, packed.device)
     rows = packed.reshape(-1, packed.shape[-1]).to(torch.int32)
-    if values.dim() == 1 or rows.shape[0] == 1:  # one table
-        table = values.reshape(-1)[patterns]
-    else:  # one table per row, side by side: row r's bytes index rows 256 * r onwards
-        table = values.reshape(-1, 2**bits)[:, patterns].reshape(-1, patterns.shape[1])
+    tables = values.reshape(-1, 2**bits)  # one row of values per table
+    if bits < 8:  # at 8 bits a byte is one code: its table row is the code's value
+        tables = tables[:, patterns]
+    table = tables.reshape(-1, patterns.shape[1])
+    if tables.shape[0] > 1:  # one table per row, side by side: row r's bytes index rows 256 * r onwards
         rows += 256 * torch.arange(rows.shape[0], dtype=torch.int32, device=packed.device).unsqueeze(1)
     decoded = gather_rows(table, rows.reshape(-1))
     return decoded.reshape(*packed.shape[:-1], -1)[..., :length]
