@@ -40,14 +40,17 @@ class ByteGrad(
         work = rows.to(work_dtype(rows.dtype))
         low = work.amin(dim=1, keepdim=True)
         high = work.amax(dim=1, keepdim=True)  # two reductions: aminmax along a dimension is many times slower
-        # Halve everything where the range itself overflows (max - min beyond the dtype's largest value).
-        half = torch.where(torch.isfinite(high - low), 1.0, 0.5).to(work.dtype)
-        span = high * half - low * half
+        # Each row is scaled by a power of two (exactly) where its range would not do: halved where the range
+        # overflows (max - min beyond the dtype's largest value), times 2**64 where it is so small (subnormal,
+        # say) that 255 / range would overflow. The codes of the scaled row are the row's.
+        span = high - low
+        scale = torch.where(torch.isfinite(span), torch.where(span < 2.0**-60, 2.0**64, 1.0), 0.5).to(work.dtype)
+        span = high * scale - low * scale
         steps_per_unit = torch.where(span > 0, _LEVELS / nonzero_or_one(span), 0.0)  # a constant row: all code 0
         # The code is the position (x - low) / (high - low) times 255, rounded half up: + 1/2, then truncated by
         # the integer conversion. x - low is in [0, high - low] (rounding is monotonic), so the code is in [0, 255]
         # (the product passes 255 by an ulp or two at most).
-        position = (work * half).sub_(low * half)
+        position = (work * scale).sub_(low * scale)
         return [as_uint8(position.mul_(steps_per_unit).add_(0.5)), low, high], rows.dtype
 
     def decompress_rows(self, payload: Payload, ctx: torch.dtype) -> torch.Tensor:
