@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import callgrind  # noqa: E402
 from bench_compression import _one_bucket  # noqa: E402
-from callgrind import count_instructions  # noqa: E402
 
 from gradcomm.compression.base import Compressor  # noqa: E402
 from gradcomm.compression.registry import methods  # noqa: E402
@@ -45,19 +45,19 @@ def _compressed_gradients(workload: str, compressor: Compressor) -> list[torch.T
 
 def _pass_seconds(compressor: Compressor, gradients: list[torch.Tensor], marked: bool = False) -> tuple[float, float]:
     """CPU seconds of compressing every gradient, then of decompressing every payload; ``marked``: each half
-    ends at a callgrind dump (``os.getpgrp()``)."""
+    ends a callgrind stretch."""
     start = time.process_time()
     encoded = []
     for key, gradient in enumerate(gradients):
         with compressor.stream(key):
             encoded.append(compressor.compress(gradient))
     if marked:
-        os.getpgrp()
+        callgrind.stop()
     middle = time.process_time()
     for payload, ctx in encoded:
         compressor.decompress(payload, ctx)
     if marked:
-        os.getpgrp()
+        callgrind.stop()
     return middle - start, time.process_time() - middle
 
 
@@ -82,24 +82,21 @@ _UNDER_VALGRIND = "GRADCOMM_CALLGRIND_CHILD"
 
 
 def _marked_passes(workload: str, names: list[str]) -> None:
-    """Under callgrind: each method's encoding, then its decoding, as one marked stretch each, after one empty
-    stretch (the first call of each marker binds its symbol, and callgrind counts that first stretch wrongly)."""
-    os.getppid()
-    os.getpgrp()
+    """Under callgrind: each method's encoding, then its decoding, as one counted stretch each."""
+    callgrind.prime()
     for name in names:
         compressor = methods()[name]()
         gradients = _compressed_gradients(workload, compressor)
         for _ in range(2):
             _pass_seconds(compressor, gradients)
-        os.getppid()  # callgrind: zero the counters here
+        callgrind.start()
         _pass_seconds(compressor, gradients, marked=True)
 
 
 def instructions(workload: str, names: list[str]) -> dict[str, tuple[int, int]]:
     """Per method, the instructions of one pass of encoding and of decoding."""
     command = [sys.executable, __file__, "--workloads", workload, "--methods", *names]
-    # each getpgrp dumps twice (libc's symbol and its alias; the second holds a few instructions)
-    counts = count_instructions(command, {_UNDER_VALGRIND: "1"})[2::2]
+    counts = callgrind.count_instructions(command, {_UNDER_VALGRIND: "1"})
     return {name: (counts[2 * i], counts[2 * i + 1]) for i, name in enumerate(names)}
 
 

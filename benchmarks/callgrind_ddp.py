@@ -9,8 +9,9 @@ rebuild) ``--steps`` training steps are counted:
     python benchmarks/callgrind_ddp.py --shape narrow --ddp torch --steps 3
     python benchmarks/callgrind_ddp.py --shape narrow --ddp gradcomm --cprofile  # top functions by own time
 
-Under valgrind (``--tool=callgrind``) counting is zeroed at a call of ``getppid`` just before the counted
-steps and dumped at a call of ``getpgrp`` just after them, so neither start-up nor import is counted.
+Under valgrind (``--tool=callgrind``, ``benchmarks/callgrind.py``) only the counted steps are counted, not
+start-up, import or warm-up. Figures from before that file (RESULTS.md) took the first marked stretch, which
+callgrind miscounts, so they are comparable with each other but not with later ones.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import callgrind  # noqa: E402
 from bench_ddp import SHAPES  # noqa: E402
-from callgrind import count_instructions  # noqa: E402
 
 import gradcomm  # noqa: E402
 from gradcomm.bench.timing import timed_step  # noqa: E402
@@ -56,14 +57,15 @@ def _steps(shape: str, kind: str, steps: int, profile: bool, copies: bool) -> No
             for _ in range(3):
                 timed_step(ddp, optimizer, x, y)
             profiler = cProfile.Profile() if profile else None
-            os.getppid()  # callgrind: zero the counters here
+            callgrind.prime()
+            callgrind.start()
             if profiler is not None:
                 profiler.enable()
             for _ in range(steps):
                 timed_step(ddp, optimizer, x, y)
             if profiler is not None:
                 profiler.disable()
-            os.getpgrp()  # callgrind: dump the counters here
+            callgrind.stop()
             if profiler is not None:
                 stats = pstats.Stats(profiler).sort_stats("tottime")
                 print(f"cProfile of {steps} steps, {kind} DDP, shape {shape}; top functions by own time:")
@@ -75,7 +77,9 @@ def _steps(shape: str, kind: str, steps: int, profile: bool, copies: bool) -> No
 def _callgrind(args: argparse.Namespace) -> int:
     """Run this script under callgrind and print the instructions counted per step."""
     command = [sys.executable, __file__, "--shape", args.shape, "--ddp", args.ddp, "--steps", str(args.steps)]
-    instructions = count_instructions([*command, *(["--copies"] if args.copies else [])], {_UNDER_VALGRIND: "1"})[0]
+    (instructions,) = callgrind.count_instructions(
+        [*command, *(["--copies"] if args.copies else [])], {_UNDER_VALGRIND: "1"}
+    )
     setting = ", gradient_as_bucket_view=False" if args.copies else ""
     print(
         f"{args.ddp} DDP{setting}, shape {args.shape}, {args.steps} steps: {instructions / args.steps / 1e6:.2f}M "
