@@ -32,7 +32,6 @@ __all__ = [
     "pack_bits",
     "pack_signs",
     "random_subset",
-    "safe_divide",
     "sign_values",
     "safe_mean_abs",
     "safe_norm",
@@ -56,7 +55,7 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def nonzero_or_one(x: torch.Tensor) -> torch.Tensor:
     """``x`` with zeros replaced by ones: a divisor for magnitudes whose scale is 0 only where they all are
-    (then ``0 / 1 == 0`` without the mask :func:`safe_divide` multiplies by)."""
+    (then ``0 / 1 == 0``, without a mask)."""
     return torch.where(x == 0, torch.ones_like(x), x)
 
 
@@ -74,13 +73,6 @@ def ordered_mean(tensors: Iterable[torch.Tensor], count: int) -> torch.Tensor:
     for tensor in iterator:
         total += tensor / count
     return total
-
-
-def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-    """``numerator / denominator``, and 0 where the denominator is 0 (for a finite numerator; -0 where it is
-    negative there). The mask has the denominator's shape, often one value per row or tensor: a full-size
-    ``torch.where`` on a broadcast mask costs many times this multiplication on the CPU."""
-    return numerator / _nonzero(denominator) * (denominator != 0)
 
 
 def _max_abs(x: torch.Tensor, dim: int | None) -> torch.Tensor:
@@ -404,8 +396,8 @@ def centred_noise(shape: torch.Size | tuple[int, ...], generator: torch.Generato
     Times :data:`NOISE_SCALE` (fused into an ``add``/``sub``'s ``alpha``) they are uniform on ``[-1/2, 1/2)``, so
     ``1/2 +`` that is uniform on ``[0, 1)`` in steps of ``2**-16``: stochastic rounding with it rounds up with a
     probability that exceeds the exact fraction by less than ``2**-16`` (of a step). On the CPU a 64-bit draw
-    costs two of the generator's (mt19937) 32-bit outputs, so this costs half of two 24-bit fields per draw and
-    a quarter of ``torch.rand``'s one draw per float (1.65M elements: 1.7 ms against 3.8). The draws cover the
+    costs two of the generator's (mt19937) 32-bit outputs: half an output per element, where two 24-bit fields
+    per draw, or ``torch.rand``, take one (1.65M elements: 1.7 ms against 3.8 for the fields). The draws cover the
     full 64 bits (``random_(-2**63, None)``: the default ``random_()`` of int64 leaves the sign bit 0). Every
     element depends only on the generator's seed; only the views are dtype-specific, so any device draws alike.
     """
