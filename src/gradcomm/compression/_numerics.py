@@ -20,6 +20,7 @@ from collections.abc import Iterable
 import torch
 
 __all__ = [
+    "add_rounding_noise_",
     "as_uint8",
     "centred_noise",
     "decode_bits",
@@ -75,8 +76,18 @@ def ordered_mean(tensors: Iterable[torch.Tensor], count: int) -> torch.Tensor:
     return total
 
 
+def _amax(x: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """The largest element, of all or along ``dim`` (kept)."""
+    return x.amax() if dim is None else x.amax(dim=dim, keepdim=True)
+
+
+def _mean(x: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """The mean, of all or along ``dim`` (kept)."""
+    return x.mean() if dim is None else x.mean(dim=dim, keepdim=True)
+
+
 def _max_abs(x: torch.Tensor, dim: int | None) -> torch.Tensor:
-    return x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+    return _amax(x.abs(), dim)
 
 
 def safe_norm(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -107,15 +118,14 @@ def safe_rms(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     but its float32 sum along a dimension is 50x less accurate (4e-6 relative over 500k elements).
     """
     if x.device.type == "cpu":
-        squares = torch.mul(x, x)
-        mean_square = squares.mean() if dim is None else squares.mean(dim=dim, keepdim=True)
+        mean_square = _mean(torch.mul(x, x), dim)
         if _plain_is_exact(mean_square):
             return mean_square.sqrt_()
     magnitude = x.abs()
-    peak = magnitude.amax() if dim is None else magnitude.amax(dim=dim, keepdim=True)
+    peak = _amax(magnitude, dim)
     scaled = magnitude.div_(_nonzero(peak))  # |x| / peak: the same squares as x / peak
     squares = scaled.mul_(scaled)  # what square() computes, without its slower pow kernel
-    return peak * (squares.mean() if dim is None else squares.mean(dim=dim, keepdim=True)).sqrt()
+    return peak * _mean(squares, dim).sqrt()
 
 
 def safe_mean_abs(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -123,12 +133,11 @@ def safe_mean_abs(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     first, as :func:`safe_rms` does."""
     magnitude = x.abs()
     if x.device.type == "cpu":
-        mean = magnitude.mean() if dim is None else magnitude.mean(dim=dim, keepdim=True)
+        mean = _mean(magnitude, dim)
         if _plain_is_exact(mean):
             return mean
-    peak = magnitude.amax() if dim is None else magnitude.amax(dim=dim, keepdim=True)
-    scaled = magnitude.div_(_nonzero(peak))
-    return peak * (scaled.mean() if dim is None else scaled.mean(dim=dim, keepdim=True))
+    peak = _amax(magnitude, dim)
+    return peak * _mean(magnitude.div_(_nonzero(peak)), dim)
 
 
 def safe_std(x: torch.Tensor, peak: torch.Tensor | None = None) -> torch.Tensor:
@@ -404,6 +413,18 @@ def centred_noise(shape: torch.Size | tuple[int, ...], generator: torch.Generato
     numel = math.prod(shape)
     words = torch.empty(-(-numel // 4), dtype=torch.int64, device=device).random_(-(2**63), None, generator=generator)
     return words.view(torch.int16)[:numel].view(shape)
+
+
+def add_rounding_noise_(x: torch.Tensor, offset: float, generator: torch.Generator | None) -> torch.Tensor:
+    """``x + offset + u`` in place, ``u`` uniform on ``[0, 1)`` in steps of ``2**-16`` (:func:`centred_noise`):
+    its floor is ``x + offset`` rounded down or up, up with the chance of its fraction (less than ``2**-16``
+    more), whatever the sign of ``x``: -1.25 becomes -1 or -2, -2 a quarter of the time, as the sign times the
+    rounding of 1.25 would. Where ``x + offset >= 0`` the result is too, so an integer conversion's truncation
+    is that floor (stochastic quantizers' codes: QSGD, TernGrad). The result is at most ``max(x) + offset + 1 -
+    2**-16``, a float32 exactly where it is below ``2**8`` (24 bits), so where ``max(x) + offset`` is a whole
+    number below that, the truncation never passes it."""
+    noise = centred_noise(x.shape, generator, x.device)
+    return x.add_(noise, alpha=NOISE_SCALE).add_(offset + 0.5)
 
 
 # -- sparse payloads: values at indices (top-k, DGC) ------------------------------------------------------------

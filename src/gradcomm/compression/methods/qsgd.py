@@ -18,7 +18,8 @@ Per-rank norms and randomness make payloads non-summable: they are all-gathered.
 a payload size independent of the values. Random draws come from generators seeded by ``(seed, rank,
 parameter, draw count)`` (:class:`~gradcomm.compression.base.RandomizedCompressor`): independent across ranks
 and parameters, and the same whatever order the tensors are compressed in. The noise has 16 bits
-(:func:`~gradcomm.compression._numerics.centred_noise`), so a level is unbiased up to ``2**-16`` of a step.
+(:func:`~gradcomm.compression._numerics.add_rounding_noise_`), so a level is unbiased up to ``2**-16`` of a
+step.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ import functools
 import torch
 
 from gradcomm.compression._numerics import (
-    NOISE_SCALE,
-    centred_noise,
+    add_rounding_noise_,
     decode_bits,
     nonzero_or_one,
     pack_bits,
@@ -80,13 +80,8 @@ class QSGD(RandomizedCompressor, name="qsgd", summary="QSGD stochastic quantizat
         relative_norm = relative.norm(dim=1, keepdim=True)
         norms = (peak * relative_norm).clamp_(max=torch.finfo(flat.dtype).max)
         scaled = relative.mul_(self.levels / nonzero_or_one(relative_norm))  # x / norm * levels, in [-levels, levels]
-        noise = centred_noise(scaled.shape, self.generator(flat.device), flat.device)
-        # The code is levels + floor(y + u), u = 1/2 + noise * NOISE_SCALE uniform on [0, 1): the signed level y
-        # rounded down or up, up with the chance of its fraction (for y < 0 too: -1.25 is -1 or -2, -2 a quarter
-        # of the time, as sign * the rounding of |y| would be). The sum is in [0, 2 levels + 1 - 2**-16], exact at
-        # that end (levels <= 127), so truncation towards zero in the integer conversion is the floor, and
-        # codes never pass 2 levels.
-        codes = scaled.add_(noise, alpha=NOISE_SCALE).add_(self.levels + 0.5)
+        # codes: levels + the level y rounded stochastically, in [0, 2 levels] (levels <= 127)
+        codes = add_rounding_noise_(scaled, self.levels, self.generator(flat.device))
         return [pack_bits(codes.reshape(-1), self._bits), norms.reshape(-1)], TensorSpec.of(tensor)
 
     def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:

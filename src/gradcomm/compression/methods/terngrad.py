@@ -13,7 +13,7 @@ extra collective; here each rank keeps its scale and payloads are all-gathered. 
 default. Random draws come from generators seeded by ``(seed, rank, parameter, draw count)``
 (:class:`~gradcomm.compression.base.RandomizedCompressor`): independent across ranks and parameters, and
 the same whatever order the tensors are compressed in. The noise has 16 bits
-(:func:`~gradcomm.compression._numerics.centred_noise`), so ``b_i`` is unbiased up to ``2**-16``.
+(:func:`~gradcomm.compression._numerics.add_rounding_noise_`), so ``b_i`` is unbiased up to ``2**-16``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ import functools
 import torch
 
 from gradcomm.compression._numerics import (
-    NOISE_SCALE,
-    centred_noise,
+    add_rounding_noise_,
     decode_bits,
     nonzero_or_one,
     pack_bits,
@@ -66,12 +65,9 @@ class TernGrad(RandomizedCompressor, name="terngrad", summary="TernGrad ternary 
         fraction = flat / nonzero_or_one(scale)  # p = x / scale (a zero scale: all zeros, 0 / 1)
         if self.clip is not None:
             fraction.clamp_(-1, 1)  # clipping x to +-scale
-        noise = centred_noise(flat.shape, self.generator(flat.device), flat.device)
-        # The code is 1 + floor(p + u), u = 1/2 + noise * NOISE_SCALE uniform on [0, 1): for p >= 0, 1 with
-        # chance p, else 0; for p < 0, -1 with chance |p|, else 0. The sum is in [0, 3 - 2**-16], exact at that
-        # end, so truncation towards zero in the integer conversion is the floor: codes 0, 1, 2 for -scale, 0,
-        # +scale.
-        codes = fraction.add_(noise, alpha=NOISE_SCALE).add_(1.5)
+        # codes 0, 1, 2 for -scale, 0, +scale: 1 + p rounded stochastically (for p >= 0, 1 with chance p, else
+        # 0; for p < 0, -1 with chance |p|, else 0)
+        codes = add_rounding_noise_(fraction, 1, self.generator(flat.device))
         return [pack_bits(codes, 2), scale.reshape(1)], TensorSpec.of(tensor)
 
     def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
