@@ -7,7 +7,8 @@ number of dimensions so that its gradient has the parameter's real structure:
 * 0-dim scalar (``nn.Parameter(torch.tensor(1.0))``): multiplies the whole output;
 * ``[n]`` (``[1]`` included): a bias, ``tanh(z + p)``;
 * ``[a, b]`` (``[1, n]`` and ``[n, 1]`` included): a linear layer, ``tanh(z @ p.T)``;
-* ``[o, i, k]``: a 1-D convolution kernel; ``[o, i, kh, kw]``: a 2-D convolution kernel.
+* ``[o, i, k]``: a 1-D convolution kernel; ``[o, i, kh, kw]``: a 2-D convolution kernel;
+* empty (``[0]``, ``[0, n]``, ``[n, 0]``): a bias or linear layer of no elements, whose gradient is empty.
 
 ``z`` is a fixed random projection of the input batch (the same on every rank: it is generated from the
 spec's seed and is not a buffer). A parameter may be float64 beside float32 ones, frozen
@@ -171,7 +172,7 @@ def batch(seed: int, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # -- strategies ---------------------------------------------------------------------------------------------
-KINDS = ("scalar", "one", "vector", "row", "column", "matrix", "conv1d", "conv2d")
+KINDS = ("scalar", "one", "vector", "row", "column", "matrix", "conv1d", "conv2d", "empty")
 
 _dims = st.integers(1, 6)
 
@@ -189,6 +190,8 @@ def _shape(kind: str) -> st.SearchStrategy[tuple[int, ...]]:
         return st.tuples(st.integers(2, 12), st.just(1))
     if kind == "matrix":
         return st.tuples(st.integers(2, 12), st.integers(2, 12))
+    if kind == "empty":  # no elements: its gradient is empty too
+        return st.sampled_from([(0,), (0, 5), (4, 0)])
     if kind == "conv1d":
         return st.tuples(_dims, _dims, st.integers(1, 3))
     return st.tuples(_dims, _dims, st.integers(1, 3), st.integers(1, 3))
@@ -205,6 +208,8 @@ def _param_specs(draw: st.DrawFn, shape: tuple[int, ...] | None = None) -> Param
         zeros.append("all")
     if len(shape) >= 2:
         zeros += ["column", "column", "row"]
+    if math.prod(shape) == 0:  # an empty gradient has no slice to zero
+        zeros = [None]
     return ParamSpec(shape, dtype, frozen, draw(st.sampled_from(zeros)))
 
 
@@ -236,7 +241,7 @@ def model_specs(draw: st.DrawFn, bucket_cap_mb: float | None) -> ModelSpec:
 
 def full_feature_spec(bucket_cap_mb: float | None) -> ModelSpec:
     """Every feature at once: a scalar used twice, [1], [1, n], [n, 1], conv kernels, float64, a frozen
-    parameter, zero gradient columns and rows, and a matrix larger than the bucket cap."""
+    parameter, zero gradient columns and rows, a matrix larger than the bucket cap, and empty parameters."""
     return ModelSpec(
         params=(
             ParamSpec(()),
@@ -250,6 +255,8 @@ def full_feature_spec(bucket_cap_mb: float | None) -> ModelSpec:
             ParamSpec((7,), "float64"),
             ParamSpec((), "float64"),
             ParamSpec((4, 6), "float64", zero="column"),
+            ParamSpec((0,)),
+            ParamSpec((3, 0)),
         ),
         tied=(0, 2),
         seed=1,

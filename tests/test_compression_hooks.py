@@ -411,3 +411,11 @@ def test_small_and_poorly_compressed_tensors_are_sent_dense():
     assert not state.compresses(torch.zeros(1000))  # values + indices of half the tensor: no saving
     state = CompressionState(TopK(0.01), min_numel=100)
     assert state.compresses(torch.zeros(1000))
+
+
+def test_empty_tensors_are_sent_dense_whatever_min_numel():
+    for name, cls in METHODS.items():
+        state = CompressionState(cls(), min_numel=0, min_compression_rate=0.0)
+        for shape in [(0,), (0, 5), (3, 0)]:
+            assert not state.compresses(torch.empty(shape)), (name, shape)
+        assert state.compresses(torch.ones(())), name  # one element is compressed at min_numel=0

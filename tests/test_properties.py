@@ -2,10 +2,10 @@
 
 For every hook in the registry (``hook_names()``: a new hook is covered without touching this file) and
 random models from :mod:`tests.property_models` (0-dim scalars used multiplicatively, ``[1]``, ``[1, n]``,
-``[n, 1]``, 3-D and 4-D convolution kernels, float64 beside float32, frozen and tied parameters, a matrix
-larger than the bucket cap, gradients with a zero column, row or everywhere), gradcomm's DDP or torch's
-(the hook registered on either: they are interchangeable) or gradcomm's legacy DDP, 1 to 3 micro-batches
-per step (gradients accumulated under ``no_sync()``), sometimes a post-accumulate-grad hook of the user's that
+``[n, 1]``, empty parameters, 3-D and 4-D convolution kernels, float64 beside float32, frozen and tied
+parameters, a matrix larger than the bucket cap, gradients with a zero column, row or everywhere),
+gradcomm's DDP or torch's (the hook registered on either: they are interchangeable) or gradcomm's legacy
+DDP, 1 to 3 micro-batches per step (gradients accumulated under ``no_sync()``), sometimes a post-accumulate-grad hook of the user's that
 scales ``.grad`` in place by a different factor on every rank (it runs before the reduction, as under torch's
 DDP), random bucket caps (0.0001 MB
 to ``None``), ``gradient_as_bucket_view`` on, off or default (``None``), random hook options, sometimes the fp16 or

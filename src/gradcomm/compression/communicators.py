@@ -123,6 +123,9 @@ def _unpack_rows(data: torch.Tensor, templates: Sequence[torch.Tensor]) -> list[
     rows, out, offset = data.shape[0], [], 0
     for template in templates:
         nbytes = template.numel() * template.element_size()
+        if nbytes == 0:  # an empty tensor's bytes: nothing to view (an empty chunk's strides forbid it)
+            out.append(data.new_empty((rows, *template.shape), dtype=template.dtype))
+            continue
         chunk = data[:, offset : offset + nbytes].clone(memory_format=torch.contiguous_format)
         out.append(chunk.view(template.dtype).view(rows, *template.shape))
         offset += nbytes

@@ -115,8 +115,9 @@ class CompressionState(HookState):
             check.end_iteration()
 
     def compresses(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is compressed; depends only on its shape and dtype, hence equal on all ranks."""
-        if tensor.numel() < self.min_numel:
+        """Whether ``tensor`` is compressed; depends only on its shape and dtype, hence equal on all ranks. An
+        empty tensor never is, whatever ``min_numel``: it has nothing to compress (and no scale to compute)."""
+        if tensor.numel() < max(self.min_numel, 1):
             return False
         signature = (tensor.shape, tensor.dtype)
         if signature not in self._compressible:
