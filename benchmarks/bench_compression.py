@@ -87,6 +87,12 @@ def _one_bucket(workload_name: str, device: str = "cpu") -> GradBucket:
     return GradBucket(0, buffer, offsets, lengths, [p.shape for p in parameters], parameters, is_last=True)
 
 
+def _refill(bucket: GradBucket, gradients: torch.Tensor) -> None:
+    """Put the gradients back into the bucket before a hook call: a hook may write its result into the bucket
+    (as torch's do), and the next call would then compress the last one's average."""
+    bucket.buffer().copy_(gradients)
+
+
 def _hook_seconds(
     workload_name: str, hooks: list[str], reps: int, threads: int, clock: str = "wall", device: str = "cpu"
 ) -> dict[str, list[float]]:
@@ -96,6 +102,7 @@ def _hook_seconds(
     now = CLOCKS[clock]
     torch.set_num_threads(threads)
     bucket = _one_bucket(workload_name, device)
+    gradients = bucket.buffer().clone()
     seconds: dict[str, list[float]] = {hook: [] for hook in hooks}
     for rep in range(reps):
         shift = rep % len(hooks)
@@ -103,7 +110,9 @@ def _hook_seconds(
             choice = HookChoice.parse(hook)
             fn, state = make_comm_hook(choice.name, process_group=dist.group.WORLD, **dict(choice.options))
             for _ in range(2):
+                _refill(bucket, gradients)
                 fn(state, bucket).wait()
+            _refill(bucket, gradients)
             _synchronize(device)
             start = now()
             fn(state, bucket).wait()
@@ -120,13 +129,16 @@ def _hook_profile(workload_name: str, hook: str, calls: int, threads: int, rows:
     bucket = _one_bucket(workload_name, device)
     choice = HookChoice.parse(hook)
     fn, state = make_comm_hook(choice.name, process_group=dist.group.WORLD, **dict(choice.options))
+    gradients = bucket.buffer().clone()
     for _ in range(2):
+        _refill(bucket, gradients)
         fn(state, bucket).wait()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.startswith("cuda"):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as profiler:
         for _ in range(calls):
+            _refill(bucket, gradients)
             fn(state, bucket).wait()
         _synchronize(device)
     return profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)

@@ -23,6 +23,7 @@ from gradcomm import comm
 from gradcomm.compression import QSGD, EFSignSGD, RandomizedCompressor, RowwiseCompressor, SignSGD, TopK
 from gradcomm.compression.communicators import Allgather, Allreduce, TwoStageAllreduce, compensated_compress
 from gradcomm.compression.registry import methods
+from gradcomm.hooks import compression_hook
 from gradcomm.hooks.compression_hook import CompressionState, compressed_allreduce_hook
 from gradcomm.testing import run_on_ranks
 from tests.ddp_kinds import DDP_KINDS, make_ddp
@@ -419,3 +420,53 @@ def test_empty_tensors_are_sent_dense_whatever_min_numel():
         for shape in [(0,), (0, 5), (3, 0)]:
             assert not state.compresses(torch.empty(shape)), (name, shape)
         assert state.compresses(torch.ones(())), name  # one element is compressed at min_numel=0
+
+
+def test_results_go_into_the_buffer_unless_a_piece_shares_it_or_has_another_dtype():
+    buffer = torch.zeros(5)
+    pieces = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0, 5.0])]
+    result = compression_hook._written_into(buffer, pieces)
+    assert result.data_ptr() == buffer.data_ptr() and torch.equal(buffer, torch.arange(1.0, 6.0))
+    aliasing = [buffer[3:], buffer[:3]]  # a decoding that returned views of what it was given
+    result = compression_hook._written_into(buffer, aliasing)
+    assert result.data_ptr() != buffer.data_ptr() and torch.equal(result, torch.tensor([4.0, 5.0, 1.0, 2.0, 3.0]))
+    result = compression_hook._written_into(buffer, [p.double() for p in pieces])
+    assert result.data_ptr() != buffer.data_ptr() and result.dtype == buffer.dtype
+
+
+_BUCKET_SHAPES = [(), (0,), (1, 2000), (3000,), (40, 50), (7,)]
+
+
+def _every_hook_call(write_into_buffer: bool) -> dict[str, list[tuple[bool, bytes]]]:
+    """Three calls of every method's hook on one bucket of odd shapes (a 0-dim and an empty gradient among
+    them), everything compressed but the empty one, new gradients in the buffer before each call: per
+    method and call, whether the result is the buffer, and its bytes."""
+    if not write_into_buffer:
+        compression_hook._written_into = lambda buffer, pieces: torch.cat(pieces).to(buffer.dtype).view(buffer.shape)
+    from gradcomm.hooks.grad_bucket import GradBucket
+
+    lengths = [math.prod(shape) for shape in _BUCKET_SHAPES]
+    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    parameters = [torch.nn.Parameter(torch.zeros(shape)) for shape in _BUCKET_SHAPES]
+    results: dict[str, list[tuple[bool, bytes]]] = {}
+    for name, cls in METHODS.items():
+        state = CompressionState(cls(), min_numel=0, min_compression_rate=0.0)
+        buffer = torch.empty(sum(lengths))
+        bucket = GradBucket(0, buffer, offsets, lengths, _BUCKET_SHAPES, parameters, is_last=True)
+        for call in range(3):
+            buffer.copy_(torch.randn(buffer.numel(), generator=torch.Generator().manual_seed(call)))
+            result = compressed_allreduce_hook(state, bucket).wait()
+            assert result.shape == buffer.shape and result.dtype == buffer.dtype, name
+            results.setdefault(name, []).append(
+                (result.data_ptr() == buffer.data_ptr(), result.contiguous().view(torch.uint8).numpy().tobytes())
+            )
+    return results
+
+
+@pytest.mark.timeout(120)
+def test_hook_writes_the_average_into_the_bucket_with_a_new_tensors_values():
+    into_buffer, new_tensor = (run_on_ranks(_every_hook_call, 1, args=(flag,))[0] for flag in (True, False))
+    for name in METHODS:
+        assert [is_buffer for is_buffer, _ in into_buffer[name]] == [True] * 3, name
+        assert [is_buffer for is_buffer, _ in new_tensor[name]] == [False] * 3, name
+        assert [values for _, values in into_buffer[name]] == [values for _, values in new_tensor[name]], name

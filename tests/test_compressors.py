@@ -320,6 +320,17 @@ def test_bit_packing_gives_every_byte_from_its_codes(bits):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_sign_bits_are_those_of_x_not_below_zero(dtype):
+    # 1 for x >= 0 (-0.0 and +inf included), 0 for negatives and NaN: pack_signs compares into int8, not bool
+    x = torch.randn(3, 1001, generator=torch.Generator().manual_seed(0)).to(dtype)
+    x[0, :6] = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), -1e-3])
+    for tensor in (x, x[:, 1:], x[:, ::3], x.reshape(-1), x[0, :0]):
+        expected = pack_bits(tensor >= 0, 1)
+        assert pack_signs(tensor).dtype == torch.uint8 and torch.equal(pack_signs(tensor), expected)
+    assert pack_signs(x[0, :6]).tolist() == [0b1011]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 @FAST
 @given(ranks=st.integers(1, 9), length=st.integers(1, 200), seed=st.integers(0, 2**16))
 def test_majority_signs_is_the_sign_of_the_summed_signs(dtype, ranks, length, seed):
@@ -479,6 +490,20 @@ def test_top_magnitudes_selects_the_set_torch_topk_selects(x, ratio):
     ours = top_magnitudes(x, k)
     assert ours.numel() == k
     assert set(ours.tolist()) == set(x.abs().topk(k).indices.tolist())
+
+
+@pytest.mark.parametrize("nonzero", [0, 1, 299, 300, 301, 3000])
+def test_top_magnitudes_of_a_mostly_zero_tensor_are_its_largest_nonzeros_then_zeros(nonzero):
+    # k = 300 of 300,000: the sample's threshold is 0 and the nonzero elements alone are searched
+    x = torch.zeros(300_000)
+    where = torch.randperm(x.numel(), generator=torch.Generator().manual_seed(nonzero))[:nonzero]
+    x[where] = torch.randn(nonzero, generator=torch.Generator().manual_seed(1))
+    if nonzero:
+        x[where[0]] = math.nan  # counts as the largest
+    ours = top_magnitudes(x, 300)
+    assert ours.numel() == 300 and ours.unique().numel() == 300
+    expected = x.abs().topk(300).values
+    assert torch.equal(x.abs()[ours].sort(descending=True).values.nan_to_num(), expected.nan_to_num())
 
 
 @pytest.mark.parametrize("name", RANDOMIZED)

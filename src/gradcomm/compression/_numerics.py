@@ -172,6 +172,8 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return codes
     length = codes.shape[-1]
+    if length == 0:  # no codes, no bytes (and no lanes to view)
+        return codes
     aligned = length % 8 == 0 and codes.is_contiguous() and codes.storage_offset() % 8 == 0
     padded = codes if aligned else torch.nn.functional.pad(codes, (0, -length % 8))  # a fresh, aligned copy
     if 8 % bits == 0:
@@ -324,8 +326,11 @@ def unpack_bits(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
-    """One bit per element along the last dimension: 1 for ``x >= 0``, 0 for negatives."""
-    return pack_bits(x >= 0, 1)
+    """One bit per element along the last dimension: 1 for ``x >= 0``, 0 for negatives (and NaN).
+
+    The comparison writes int8 rather than bool: the same 0 and 1 bytes, but on the CPU a comparison into
+    bool is not vectorised (1.65M float32: 1.05 ms into bool, 0.45-0.7 into int8)."""
+    return pack_bits(torch.ge(x, 0, out=torch.empty(x.shape, dtype=torch.int8, device=x.device)).view(torch.uint8), 1)
 
 
 def unpack_signs(packed: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
@@ -454,11 +459,27 @@ def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
     sample = magnitudes[::stride]
     place = min(sample.numel(), -(-2 * k * sample.numel() // magnitudes.numel()) + 1)
     threshold = sample.topk(place, sorted=True).values[-1]
+    if threshold == 0:  # mostly zeros (an embedding's gradient, say): every element would be a candidate
+        return _nonzero_first(magnitudes, k)
     not_below = magnitudes.lt(threshold).logical_not_()  # NaN: not below, a candidate
     candidates = sparse_nonzero(not_below) if 64 * k <= magnitudes.numel() else not_below.nonzero().squeeze(1)
     if candidates.numel() < k:
         return magnitudes.topk(k, sorted=False).indices
     return candidates[magnitudes[candidates].topk(k, sorted=False).indices]
+
+
+def _nonzero_first(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`top_magnitudes` of mostly zero magnitudes: the top ``k`` of the nonzero ones (NaN included) where
+    there are ``k``, else all of them and the first zeros (equal magnitudes at the k-th place, as ``torch.topk``
+    may choose any). Work in proportion to the nonzero elements, where the threshold's path would find every
+    element not below 0 and select among all of them."""
+    nonzero = magnitudes.le(0).logical_not_()
+    candidates = sparse_nonzero(nonzero) if 64 * k <= magnitudes.numel() else nonzero.nonzero().squeeze(1)
+    if candidates.numel() >= k:
+        return candidates[magnitudes[candidates].topk(k, sorted=False).indices]
+    # the first k elements hold at least k - (nonzero count) zeros
+    zeros = nonzero[:k].logical_not().nonzero().squeeze(1)[: k - candidates.numel()]
+    return torch.cat([candidates, zeros])
 
 
 def sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:

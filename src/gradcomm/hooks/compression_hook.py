@@ -13,7 +13,7 @@ elements, or compressed less than ``min_compression_rate`` times) are sent dense
 own or, where the method's communicator carries them at no cost (an all-gather on two ranks), in its
 collective. Tensors that share a communicator share its collectives, so a bucket costs one collective per
 communicator (per stage), whatever its number of parameters. The future holds the bucket's averaged
-gradient, decompressed.
+gradient, decompressed into the bucket's buffer (as torch's hooks do).
 
 Error-feedback residuals and random streams are keyed by parameter, not by bucket position, so they follow
 their parameter when DDP rebuilds its buckets after the first iteration: a parameter's key is its name where
@@ -155,6 +155,17 @@ class CompressionState(HookState):
         self._reset_caches(loaded=True)
 
 
+def _written_into(buffer: torch.Tensor, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The bucket's averaged gradients ``pieces``, in order, written into its ``buffer``, which is returned, as
+    torch's hooks return theirs: DDP then has nothing to copy, and no gradient-sized tensor is allocated. A
+    new tensor instead where a piece has another dtype or shares the buffer's memory (a method whose decoding
+    returns what it was given)."""
+    memory = buffer.untyped_storage().data_ptr()
+    if all(piece.dtype == buffer.dtype and piece.untyped_storage().data_ptr() != memory for piece in pieces):
+        return torch.cat(pieces, out=buffer.view(-1)).view(buffer.shape)
+    return torch.cat(pieces).to(buffer.dtype).view(buffer.shape)
+
+
 def compressed_allreduce_hook(
     state: CompressionState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
@@ -185,8 +196,7 @@ def compressed_allreduce_hook(
         averaged: dict[int, torch.Tensor] = {}
         for items, tensors in zip(batches.values(), fut.value(), strict=True):
             averaged.update((position, tensor) for (position, _), tensor in zip(items, tensors, strict=True))
-        flat = torch.cat([averaged[position].reshape(-1) for position in range(len(gradients))])
-        return flat.to(buffer.dtype).view(buffer.shape)
+        return _written_into(buffer, [averaged[position].reshape(-1) for position in range(len(gradients))])
 
     result = when_all(futures, buffer.device).then(assemble)
     if bucket.is_last():  # DDP's own collectives after the last bucket must come after all of the hook's
