@@ -88,6 +88,23 @@ class ScalarAndWide(nn.Module):
         return self.narrow(features) * self.temperature
 
 
+class Strided(nn.Module):
+    """Dense parameters that are not contiguous: a transposed weight and a channels-last convolution kernel.
+    torch lays their gradients out in the bucket in the parameter's memory order, and a hook's
+    ``bucket.gradients()`` reinterprets that memory in the parameter's shape: a layout-sensitive hook
+    (PowerSGD's matrices) sees those tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+        self.transposed = nn.Parameter(torch.randn(4, 8).t())  # [8, 4], strides (1, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = torch.relu(self.conv(x.contiguous(memory_format=torch.channels_last))).mean(dim=(2, 3))
+        return self.head(features) + features @ self.transposed
+
+
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
 
@@ -184,6 +201,9 @@ CASES: dict[str, Case] = {
         _mlp, hook=(lambda: None, quantization_hooks.quantization_perchannel_hook), fails_in_torch=True
     ),
     "hook_noop": Case(_mlp, hook=(lambda: None, debugging_hooks.noop_hook)),
+    "strided": Case(Strided, _image_batch),
+    "strided_bucket_views": Case(Strided, _image_batch, {"gradient_as_bucket_view": True}),
+    "strided_powerSGD": Case(Strided, _image_batch, hook=(_powersgd_state(), powerSGD_hook.powerSGD_hook)),
     "hook_powerSGD_no_sync": Case(_mlp, hook=(_powersgd_state(), powerSGD_hook.powerSGD_hook), micro_batches=3),
 }
 
@@ -222,7 +242,7 @@ def _run_case(name: str, torch_may_fail: bool = True) -> dict[str, float]:
         ours.register_comm_hook(make_state(), hook)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     opt_ours = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9)
-    worst = {"grad": 0.0, "param": 0.0, "loss": 0.0, "buffer": 0.0}
+    worst = {"grad": 0.0, "param": 0.0, "loss": 0.0, "buffer": 0.0, "grad_layout": 0.0}
     if case.fails_in_torch and torch_may_fail:
         failed = _first_failure(reference, opt_ref, case)
         if failed is None:  # torch's hook works here: compare the values, from a fresh start
@@ -234,6 +254,8 @@ def _run_case(name: str, torch_may_fail: bool = True) -> dict[str, float]:
         worst["loss"] = max(worst["loss"], abs(loss_ref - loss_ours) / max(abs(loss_ref), 1e-12))
         for p_ref, p_ours in zip(reference.parameters(), ours.parameters(), strict=True):
             worst["grad"] = max(worst["grad"], _relative_error(p_ours.grad, p_ref.grad))
+            if p_ref.grad is not None and p_ours.grad is not None and p_ours.grad.stride() != p_ref.grad.stride():
+                worst["grad_layout"] = 1.0
         opt_ref.step()
         opt_ours.step()
         for p_ref, p_ours in zip(reference.parameters(), ours.parameters(), strict=True):
@@ -291,6 +313,7 @@ def test_matches_torch_ddp(results: dict[str, dict[str, float]], name: str) -> N
         return
     for quantity in ("grad", "param", "loss", "buffer"):
         assert worst[quantity] <= TOLERANCE, f"{name}: {quantity} differs from torch's DDP by {worst[quantity]:.3g}"
+    assert worst["grad_layout"] == 0.0, f"{name}: a .grad has other strides than under torch's DDP"
     if name != "hook_noop" or worst["world_size"] == 1:
         assert worst["ranks_identical"] == 1.0, f"{name}: ranks ended with different parameters"
     else:

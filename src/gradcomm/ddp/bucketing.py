@@ -247,10 +247,7 @@ class Bucket:
         """Give the bucket fresh memory (zeros) and views; the old buffer is left to whoever holds it."""
         first = self.params[0]
         self.buffer = torch.zeros(sum(self.lengths), dtype=first.dtype, device=first.device)
-        self.views = [
-            self.buffer[offset : offset + length].view(shape)
-            for offset, length, shape in zip(self.offsets, self.lengths, self.shapes, strict=True)
-        ]
+        self.views = [bucket_view(self.buffer, offset, param) for offset, param in zip(self.offsets, self.params, strict=True)]
         self._handed_out_refs = None
 
     def handed_out(self) -> None:
@@ -310,6 +307,29 @@ class Bucket:
         )
 
 
+def bucket_view(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
+    """``param``'s gradient's place in ``buffer`` from ``offset``, laid out as torch's reducer lays it out: in the
+    parameter's own memory order where its elements are dense in memory (a transposed weight, a channels-last
+    kernel), as ``AccumulateGrad`` makes its gradient; C-contiguous otherwise. The buffer's bytes are then
+    torch's, so are gloo's sums of them and what a hook reads through ``bucket.gradients()`` (torch's
+    reinterpretation of those bytes in the parameter's shape)."""
+    if param.is_contiguous() or not _dense_in_memory(param):
+        return buffer[offset : offset + param.numel()].view(param.shape)
+    return buffer.as_strided(param.shape, param.stride(), buffer.storage_offset() + offset)
+
+
+def _dense_in_memory(tensor: torch.Tensor) -> bool:
+    """torch's ``is_non_overlapping_and_dense``: the elements fill ``numel`` consecutive places of memory, in
+    some order of the dimensions."""
+    expected = 1
+    dims = zip(tensor.stride(), tensor.shape, strict=True)
+    for stride, size in sorted((stride, size) for stride, size in dims if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are the same memory seen the same way (a gradient already in its bucket)."""
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()

@@ -267,9 +267,10 @@ class Reducer(ReducerSurface):
                 self._location[index] = (bucket, position)
 
     def _grads_as_views(self, indices: list[int]) -> bool:
-        """Whether these parameters' ``.grad`` become views of their bucket. By default (``None``) only where
-        that changes nothing a user sees: dense, contiguous parameters (a view is contiguous, where torch's
-        copy keeps the parameter's memory format); held ``.grad`` are protected in :meth:`_mark_ready`."""
+        """Whether these parameters' ``.grad`` become views of their bucket. By default (``None``) only for
+        contiguous parameters, where that changes nothing a user sees; held ``.grad`` are protected in
+        :meth:`_mark_ready`. (A transposed or channels-last parameter's view has its memory format too, see
+        :func:`~gradcomm.ddp.bucketing.bucket_view`, but such buckets keep torch's copies.)"""
         if self._as_view is None:
             return all(self._params[i].is_contiguous() for i in indices)
         return self._as_view
