@@ -11,7 +11,8 @@ number of dimensions so that its gradient has the parameter's real structure:
 * empty (``[0]``, ``[0, n]``, ``[n, 0]``): a bias or linear layer of no elements, whose gradient is empty.
 
 ``z`` is a fixed random projection of the input batch (the same on every rank: it is generated from the
-spec's seed and is not a buffer). A parameter may be float64 beside float32 ones, frozen
+spec's seed and is not a buffer). A parameter may be float64 beside float32 ones, laid out in memory
+otherwise than C-contiguous (a transposed matrix, a channels-last kernel: dense, non-contiguous), frozen
 (``requires_grad=False``), tied (used by a second branch: its gradient is the sum of both uses), or have a
 zero slice of its gradient: ``column`` zeroes one input column (channel) of its branch, ``row`` ignores one
 output unit (channel), ``all`` multiplies the branch by zero. The output is summed in float64 and scaled by
@@ -20,6 +21,7 @@ output unit (channel), ``all`` multiplies the branch by zero. The output is summ
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
@@ -56,9 +58,12 @@ class ParamSpec:
     dtype: str = "float32"  # "float32" or "float64"
     frozen: bool = False
     zero: str | None = None  # None, "column", "row" (2-D and more) or "all" (1-D and more)
+    layout: str = "contiguous"  # or "transposed" (2-D: column-major) or "channels_last" (4-D)
 
     def describe(self) -> str:
         text = f"{self.dtype}{list(self.shape)}"
+        if self.layout != "contiguous":
+            text += f" {self.layout}"
         if self.frozen:
             text += " frozen"
         if self.zero is not None:
@@ -117,7 +122,12 @@ class PropertyModel(nn.Module):
             else:
                 fan_in = math.prod(p.shape[1:]) if len(p.shape) > 1 else 1
                 value = torch.randn(p.shape, generator=generator, dtype=torch.float64) / math.sqrt(fan_in)
-            self.weights.append(nn.Parameter(value.to(dtype), requires_grad=not p.frozen))
+            value = value.to(dtype)
+            if p.layout == "transposed":
+                value = value.t().contiguous().t()
+            elif p.layout == "channels_last":
+                value = value.contiguous(memory_format=torch.channels_last)
+            self.weights.append(nn.Parameter(value, requires_grad=not p.frozen))
         # Tied parameters: the same Parameter objects, registered a second time (named_parameters and
         # parameters() list them once) and used by a second branch.
         self.tied = nn.ParameterList([self.weights[i] for i in spec.tied])
@@ -210,7 +220,8 @@ def _param_specs(draw: st.DrawFn, shape: tuple[int, ...] | None = None) -> Param
         zeros += ["column", "column", "row"]
     if math.prod(shape) == 0:  # an empty gradient has no slice to zero
         zeros = [None]
-    return ParamSpec(shape, dtype, frozen, draw(st.sampled_from(zeros)))
+    layouts = ["contiguous", "contiguous"] + {2: ["transposed"], 4: ["channels_last"]}.get(len(shape), [])
+    return ParamSpec(shape, dtype, frozen, draw(st.sampled_from(zeros)), draw(st.sampled_from(layouts)))
 
 
 def _large_shape(bucket_cap_mb: float | None, factor: float, dtype: str) -> tuple[int, int]:
@@ -231,17 +242,19 @@ def model_specs(draw: st.DrawFn, bucket_cap_mb: float | None) -> ModelSpec:
     if draw(st.booleans()):
         dtype = draw(st.sampled_from(["float32", "float64"]))
         shape = _large_shape(bucket_cap_mb, draw(st.floats(1.1, 2.0)), dtype)
-        large = ParamSpec(shape, dtype, zero=draw(st.sampled_from([None, "column"])))
+        layout = draw(st.sampled_from(["contiguous", "transposed"]))
+        large = ParamSpec(shape, dtype, zero=draw(st.sampled_from([None, "column"])), layout=layout)
         params.insert(draw(st.integers(0, len(params))), large)
     if all(p.frozen for p in params):
-        params[0] = ParamSpec(params[0].shape, params[0].dtype, False, params[0].zero)
+        params[0] = dataclasses.replace(params[0], frozen=False)
     tied = tuple(draw(st.lists(st.integers(0, len(params) - 1), max_size=2, unique=True)))
     return ModelSpec(tuple(params), tied, draw(st.integers(0, 2**16)))
 
 
 def full_feature_spec(bucket_cap_mb: float | None) -> ModelSpec:
     """Every feature at once: a scalar used twice, [1], [1, n], [n, 1], conv kernels, float64, a frozen
-    parameter, zero gradient columns and rows, a matrix larger than the bucket cap, and empty parameters."""
+    parameter, zero gradient columns and rows, a matrix larger than the bucket cap, empty parameters, a
+    transposed matrix and a channels-last kernel."""
     return ModelSpec(
         params=(
             ParamSpec(()),
@@ -249,12 +262,12 @@ def full_feature_spec(bucket_cap_mb: float | None) -> ModelSpec:
             ParamSpec((1, 5)),
             ParamSpec((6, 1), zero="column"),
             ParamSpec((3, 2, 3), "float64"),
-            ParamSpec((4, 3, 2, 2), zero="column"),
+            ParamSpec((4, 3, 2, 2), zero="column", layout="channels_last"),
             ParamSpec((5, 7), frozen=True),
             ParamSpec(_large_shape(bucket_cap_mb, 1.5, "float32"), zero="row"),
             ParamSpec((7,), "float64"),
             ParamSpec((), "float64"),
-            ParamSpec((4, 6), "float64", zero="column"),
+            ParamSpec((4, 6), "float64", zero="column", layout="transposed"),
             ParamSpec((0,)),
             ParamSpec((3, 0)),
         ),

@@ -2,7 +2,8 @@
 
 For every hook in the registry (``hook_names()``: a new hook is covered without touching this file) and
 random models from :mod:`tests.property_models` (0-dim scalars used multiplicatively, ``[1]``, ``[1, n]``,
-``[n, 1]``, empty parameters, 3-D and 4-D convolution kernels, float64 beside float32, frozen and tied
+``[n, 1]``, empty parameters, 3-D and 4-D convolution kernels, transposed and channels-last layouts, float64
+beside float32, frozen and tied
 parameters, a matrix larger than the bucket cap, gradients with a zero column, row or everywhere),
 gradcomm's DDP or torch's (the hook registered on either: they are interchangeable) or gradcomm's legacy
 DDP, 1 to 3 micro-batches per step (gradients accumulated under ``no_sync()``), sometimes a post-accumulate-grad hook of the user's that
