@@ -102,6 +102,15 @@ def _constructor_checks() -> dict[str, Any]:
     plain, out["plain_warnings"] = build()
     out["isinstance"] = isinstance(plain, TorchDDP)
     out["plain"] = (plain.forward_sync_buffers, plain.broadcast_buffers, plain.module.seen.tolist())
+    synced = []  # every forward broadcasts rank 0's buffers, a buffer reassigned since the last one included
+    for value in (5.0, 9.0):
+        if value == 5.0:
+            plain.module.seen.fill_(value + rank)
+        else:
+            plain.module.seen = torch.full((4,), value + rank)
+        plain(torch.zeros(2, 6))
+        synced.append(plain.module.seen.tolist())
+    out["synced"] = synced
     old, out["old_warnings"] = build(broadcast_buffers=False)
     out["old"] = (old.forward_sync_buffers, old.broadcast_buffers, old.module.seen.tolist())
     new, out["new_warnings"] = build(forward_sync_buffers=False)
@@ -125,6 +134,7 @@ def test_constructor_arguments_behave_as_torch() -> None:
     assert out["isinstance"]
     assert out["plain_warnings"] == []
     assert out["plain"] == (True, True, [1.0] * 4)  # buffers broadcast from rank 0 at construction
+    assert out["synced"] == [[5.0] * 4, [9.0] * 4]
     assert out["old"] == (False, False, [2.0] * 4)  # the deprecated False leaves buffers out of the init sync
     assert out["old_warnings"] == [
         "FutureWarning: `broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. IMPORTANT: unlike "

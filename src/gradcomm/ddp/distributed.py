@@ -363,7 +363,7 @@ class DistributedDataParallel(TorchDDPSurface):
 
     def _broadcast_buffers(self, source: int) -> None:
         if self.forward_sync_buffers:
-            buffers = list(self.module.buffers())
+            buffers = self._module_buffers()
             if buffers:
                 # as torch: the broadcast keeps the buffers' version counters, so a backward through an earlier
                 # forward that saved them (two forwards, one backward) still finds them unchanged
@@ -372,6 +372,21 @@ class DistributedDataParallel(TorchDDPSurface):
                     torch.autograd._unsafe_preserve_version_counter(tuple(buffers)),
                 ):
                     broadcast_coalesced(buffers, self._group, source)
+
+    def _module_buffers(self) -> list[torch.Tensor]:
+        """``list(self.module.buffers())`` without walking the module tree at every forward (1.0 ms a step for
+        1,200 submodules, most without buffers): the submodules that hold buffers are listed at the first
+        forward (torch's DDP lists the buffers themselves once, at construction), and their buffers are read
+        afresh, so a reassigned one (``bn.running_mean = t``) is the one broadcast."""
+        owners = self.__dict__.get("_buffer_owners")
+        if owners is None:
+            owners = self.__dict__["_buffer_owners"] = [module for module in self.module.modules() if module._buffers]
+        unique: dict[int, torch.Tensor] = {}
+        for module in owners:
+            for buffer in module._buffers.values():
+                if buffer is not None:
+                    unique.setdefault(id(buffer), buffer)
+        return list(unique.values())
 
     # -- uneven inputs: torch's Joinable interface (see gradcomm.ddp.join) ---------------------------------
     @contextmanager
