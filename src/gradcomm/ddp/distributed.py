@@ -377,7 +377,8 @@ class DistributedDataParallel(TorchDDPSurface):
         """``list(self.module.buffers())`` without walking the module tree at every forward (1.0 ms a step for
         1,200 submodules, most without buffers): the submodules that hold buffers are listed at the first
         forward (torch's DDP lists the buffers themselves once, at construction), and their buffers are read
-        afresh, so a reassigned one (``bn.running_mean = t``) is the one broadcast."""
+        afresh, so a reassigned one (``bn.running_mean = t``) is the one broadcast; one registered later on a
+        submodule that had none is not."""
         owners = self.__dict__.get("_buffer_owners")
         if owners is None:
             owners = self.__dict__["_buffer_owners"] = [module for module in self.module.modules() if module._buffers]
