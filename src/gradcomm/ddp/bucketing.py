@@ -247,7 +247,9 @@ class Bucket:
         """Give the bucket fresh memory (zeros) and views; the old buffer is left to whoever holds it."""
         first = self.params[0]
         self.buffer = torch.zeros(sum(self.lengths), dtype=first.dtype, device=first.device)
-        self.views = [bucket_view(self.buffer, offset, param) for offset, param in zip(self.offsets, self.params, strict=True)]
+        self.views = [
+            bucket_view(self.buffer, offset, param) for offset, param in zip(self.offsets, self.params, strict=True)
+        ]
         self._handed_out_refs = None
 
     def handed_out(self) -> None:

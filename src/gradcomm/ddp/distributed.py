@@ -287,6 +287,7 @@ class DistributedDataParallel(TorchDDPSurface):
             "static_graph": static_graph,
         }
         self._join: uneven.JoinState | None = None  # set while a Join context holds this DDP
+        self._buffer_owners: list[nn.Module] | None = None  # see _module_buffers
         self._last_parameter_check = 0
         _check_same_parameters(module, group)
         if init_sync:
@@ -379,11 +380,10 @@ class DistributedDataParallel(TorchDDPSurface):
         forward (torch's DDP lists the buffers themselves once, at construction), and their buffers are read
         afresh, so a reassigned one (``bn.running_mean = t``) is the one broadcast; one registered later on a
         submodule that had none is not."""
-        owners = self.__dict__.get("_buffer_owners")
-        if owners is None:
-            owners = self.__dict__["_buffer_owners"] = [module for module in self.module.modules() if module._buffers]
+        if self._buffer_owners is None:
+            self._buffer_owners = [module for module in self.module.modules() if module._buffers]
         unique: dict[int, torch.Tensor] = {}
-        for module in owners:
+        for module in self._buffer_owners:
             for buffer in module._buffers.values():
                 if buffer is not None:
                     unique.setdefault(id(buffer), buffer)
