@@ -26,6 +26,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import (
 )
 
 import gradcomm
+from gradcomm.compression.registry import methods
+from gradcomm.hooks.compression_hook import CompressionState, compressed_allreduce_hook
+from gradcomm.hooks.parameter_keys import name_parameters
 from gradcomm.testing import run_on_ranks
 from tests.helpers import TEST_BACKEND, TEST_DEVICE, world_sizes_to_test
 
@@ -205,6 +208,19 @@ CASES: dict[str, Case] = {
     "strided_bucket_views": Case(Strided, _image_batch, {"gradient_as_bucket_view": True}),
     "strided_powerSGD": Case(Strided, _image_batch, hook=(_powersgd_state(), powerSGD_hook.powerSGD_hook)),
     "hook_powerSGD_no_sync": Case(_mlp, hook=(_powersgd_state(), powerSGD_hook.powerSGD_hook), micro_batches=3),
+    # Every compression method, every tensor compressed, on layouts where a misplaced element would show:
+    # the lossy methods' results are only checked here, against the same hook on torch's DDP.
+    **{
+        f"strided_{name}": Case(
+            Strided,
+            _image_batch,
+            hook=(
+                lambda method=method: CompressionState(method(), min_numel=1, min_compression_rate=0),
+                compressed_allreduce_hook,
+            ),
+        )
+        for name, method in methods().items()
+    },
 }
 
 
@@ -234,6 +250,7 @@ def _run_case(name: str, torch_may_fail: bool = True) -> dict[str, float]:
     torch.manual_seed(0)
     reference_model = case.model().to(TEST_DEVICE)
     our_model = copy.deepcopy(reference_model)
+    name_parameters(reference_model)  # gradcomm's hooks key their state by name, as on gradcomm's DDP
     reference = nn.parallel.DistributedDataParallel(reference_model, **case.ddp_kwargs)
     ours = gradcomm.DistributedDataParallel(our_model, **case.ddp_kwargs)
     if case.hook is not None:
