@@ -5,7 +5,9 @@
 on a process group of one rank, so forward, backward, optimizer and the hook's encoding and decoding are
 counted and the network is not. Here that measurement is repeated ``--reps`` times per hook, the hooks
 interleaved (their order rotated every repetition, so drift on a shared machine hits all alike), and the
-median over repetitions is reported with its ratio to allreduce's. Optionally (``--profile N``) the hooks
+median over repetitions is reported with its ratio to allreduce's; a second table gives the same less the
+optimizer's step (timed by torch's global optimizer step hooks), whose cost can depend on the values the hook
+returns (AdamW's ``sqrt`` of a sparse method's zeros). Optionally (``--profile N``) the hooks
 are profiled with ``torch.profiler`` for a few steps; ``--hook-only`` times the hook alone instead (one call
 on all the model's gradients as one bucket, no model), the encoding and decoding cost without the noise of
 forward and backward (with ``--profile N``: the top ``N`` operators by self CPU time over 10 hook calls).
@@ -37,6 +39,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from gradcomm.bench.runner import (
     BenchConfig,
@@ -55,10 +58,36 @@ from gradcomm.testing import run_on_ranks
 BASELINE = "allreduce"
 
 
+class _OptimizerClock:
+    """Seconds of every ``optimizer.step()`` while installed (torch's global optimizer step hooks): the bench's
+    step includes the optimizer, whose cost can depend on the gradient's values (on some CPUs torch's ``sqrt``
+    of zeros, which AdamW takes of a sparse method's mostly zero second moments, is several times slower than
+    of other values), so the hook's own share is read from the step without it."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._start = 0.0
+        self._handles = [
+            register_optimizer_step_pre_hook(self._begin),
+            register_optimizer_step_post_hook(self._end),
+        ]
+
+    def _begin(self, *_: object) -> None:
+        self._start = time.perf_counter()
+
+    def _end(self, *_: object) -> None:
+        self.seconds.append(time.perf_counter() - self._start)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
 def _measure(
     workload_name: str, hooks: list[str], reps: int, steps: int, warmup: int, threads: int, device: str = "cpu"
-) -> dict[str, list[float]]:
-    """Per hook, its compute seconds of each repetition (this process is the only rank of its group)."""
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per hook, its compute seconds of each repetition (this process is the only rank of its group), and
+    the same less each repetition's median seconds of ``optimizer.step()``."""
     torch.set_num_threads(threads)
     workload = WORKLOADS[workload_name](device=device)
     choices = [HookChoice.parse(hook) for hook in hooks]
@@ -66,11 +95,17 @@ def _measure(
     torch.manual_seed(config.seed)
     model = workload.build_model()
     seconds: dict[str, list[float]] = {hook: [] for hook in hooks}
+    without_optimizer: dict[str, list[float]] = {hook: [] for hook in hooks}
+    clock = _OptimizerClock()
     for rep in range(reps):
         shift = rep % len(choices)
         for hook, choice in list(zip(hooks, choices, strict=True))[shift:] + list(zip(hooks, choices, strict=True))[:shift]:
-            seconds[hook].append(_compute_seconds(workload, model, choice, config, dist.group.WORLD))
-    return seconds
+            clock.seconds.clear()
+            step = _compute_seconds(workload, model, choice, config, dist.group.WORLD)
+            seconds[hook].append(step)
+            without_optimizer[hook].append(step - statistics.median(clock.seconds[-steps:]))
+    clock.remove()
+    return seconds, without_optimizer
 
 
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time, "process": time.process_time}
@@ -225,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 print(f"#### profile: {workload}, {hook}, 10 hook calls\n```\n{table}```\n", flush=True)
             continue
-        [seconds] = run_on_ranks(
+        [(seconds, without_optimizer)] = run_on_ranks(
             _measure,
             world_size=1,
             args=(workload, args.hooks, args.reps, args.steps, args.warmup, args.threads, args.device),
@@ -233,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
             timeout=timeout,
         )
         print(_table(workload, seconds), "\n", flush=True)
+        print(_table(workload, without_optimizer, "ms without optimizer.step"), "\n", flush=True)
         if args.profile:
             for hook in args.profile_hooks or args.hooks:
                 [table] = run_on_ranks(

@@ -406,7 +406,7 @@ def test_float_codes_become_their_truncated_bytes_at_every_width(bits, dtype):
     codes = torch.cat([whole + fractions, -torch.zeros(5, dtype=dtype)])
     expected = list(range(2**bits)) * 3 + [0] * 5
     assert _numerics.as_uint8(codes, bits).tolist() == expected
-    assert _numerics.as_uint8(codes).tolist() == expected  # bits=8: the int32 route
+    assert _numerics.as_uint8(codes).tolist() == expected  # bits=8: the int16 route
     assert _numerics.as_uint8(codes > 0).dtype == torch.uint8
 
 

@@ -252,15 +252,15 @@ def _unpack_words(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:
 
 def as_uint8(codes: torch.Tensor, bits: int = 8) -> torch.Tensor:
     """``codes`` (below ``2**bits``) as uint8; booleans are reinterpreted in place, floats are truncated towards
-    zero. Floats go through int8 where the codes fit it (``bits < 8``), else through int32: on the CPU a direct
-    float-to-uint8 conversion is several times slower than either (1M floats: 0.62 ms, against 0.10 through
-    int8 and 0.27 through int32), and all give the same bytes for codes in range."""
+    zero. Floats go through int8 where the codes fit it (``bits < 8``), else through int16: on the CPU a direct
+    float-to-uint8 conversion is several times slower than either (1M floats: 0.88 ms, against 0.14 through
+    int8, 0.41 through int16 and 0.67 through int32), and all give the same bytes for codes in range."""
     if codes.dtype == torch.bool:
         return codes.view(torch.uint8)
     if codes.is_floating_point():
         if bits < 8:
             return codes.to(torch.int8).view(torch.uint8)
-        codes = codes.to(torch.int32)
+        codes = codes.to(torch.int16)
     return codes.to(torch.uint8)
 
 
@@ -461,10 +461,13 @@ def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
         return magnitudes.topk(k, sorted=False).indices
     sample = magnitudes[::stride]
     place = min(sample.numel(), -(-2 * k * sample.numel() // magnitudes.numel()) + 1)
-    threshold = sample.topk(place, sorted=True).values[-1]
-    mostly_zero = bool(threshold == 0)
-    below = magnitudes.le(threshold) if mostly_zero else magnitudes.lt(threshold)
-    candidate = below.logical_not_()  # NaN is never below: a candidate
+    # a Python number, not a 0-dim tensor: compared with one, into int8, the mask is written 3x faster here
+    threshold = sample.topk(place, sorted=True).values[-1].item()
+    mostly_zero = threshold == 0
+    below = (torch.le if mostly_zero else torch.lt)(
+        magnitudes, threshold, out=torch.empty(magnitudes.shape, dtype=torch.int8)
+    )
+    candidate = below.view(torch.bool).logical_not_()  # NaN is never below: a candidate
     candidates = sparse_nonzero(candidate) if 64 * k <= magnitudes.numel() else candidate.nonzero().squeeze(1)
     if candidates.numel() >= k:
         return candidates[magnitudes[candidates].topk(k, sorted=False).indices]
@@ -483,8 +486,9 @@ def sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
     head = length - length % 8
     if mask.storage_offset() % 8 or not mask.is_contiguous():
         mask = mask.clone()
-    words = mask[:head].view(torch.int64).nonzero().squeeze(1)
-    found = mask[:head].view(-1, 8)[words].nonzero()
+    all_words = mask[:head].view(torch.int64)
+    words = all_words.nonzero().squeeze(1)
+    found = all_words[words].view(torch.uint8).view(-1, 8).nonzero()  # words gathered whole: 4x faster than rows of 8
     indices = words[found[:, 0]].mul_(8).add_(found[:, 1])
     if head == length:
         return indices
