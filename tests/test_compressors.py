@@ -470,7 +470,7 @@ def test_bit_packing_of_views_at_any_offset():
 def _spiky(numel: int, seed: int) -> torch.Tensor:
     """Gaussian values, large exactly where :func:`top_magnitudes` samples: its threshold is then too high."""
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
-    x[:: numel // _numerics._SAMPLE] *= 100
+    x[:: _numerics.sample_stride(numel)] *= 100
     return x
 
 
