@@ -38,7 +38,7 @@ from gradcomm.hooks.compression_hook import CompressionState  # noqa: E402
 
 
 def _compressed_gradients(workload: str, compressor: Compressor) -> list[torch.Tensor]:
-    """The workload's gradients (fixed random values) that the hook, at its defaults, would compress."""
+    """The workload's gradients of one batch that the hook, at its defaults, would compress."""
     state = CompressionState(compressor)
     return [gradient for gradient in _one_bucket(workload).gradients() if state.compresses(gradient)]
 

@@ -9,7 +9,7 @@ median over repetitions is reported with its ratio to allreduce's; a second tabl
 optimizer's step (timed by torch's global optimizer step hooks), whose cost can depend on the values the hook
 returns (AdamW's ``sqrt`` of a sparse method's zeros). Optionally (``--profile N``) the hooks
 are profiled with ``torch.profiler`` for a few steps; ``--hook-only`` times the hook alone instead (one call
-on all the model's gradients as one bucket, no model), the encoding and decoding cost without the noise of
+on all the model's gradients of one batch as one bucket), the encoding and decoding cost without the noise of
 forward and backward (with ``--profile N``: the top ``N`` operators by self CPU time over 10 hook calls).
 With ``--clock thread`` the hook alone is timed in CPU seconds of the calling thread (``time.thread_time``;
 the hook's torch operators run on it with one torch thread) instead of wall-clock seconds: far less disturbed
@@ -112,13 +112,19 @@ CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time, "process": time
 
 
 def _one_bucket(workload_name: str, device: str = "cpu") -> GradBucket:
-    """All the workload's gradients as one bucket of fixed random values."""
+    """All the workload's gradients of one training batch, as one bucket. Real gradients, not random values:
+    the compressors' data-dependent work (top-k's sampled threshold) depends on their structure, and on
+    random values top-k's selection had looked half as costly as in training."""
     workload = WORKLOADS[workload_name](device=device)
     torch.manual_seed(0)
-    parameters = [p for p in workload.build_model().parameters() if p.requires_grad]
+    model = workload.build_model()
+    inputs, target = workload.batch(0, 0)
+    workload.loss(model(inputs), target).backward()
+    parameters = [p for p in model.parameters() if p.requires_grad]
     lengths = [p.numel() for p in parameters]
     offsets = [sum(lengths[:i]) for i in range(len(lengths))]
-    buffer = torch.randn(sum(lengths), device=device)
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
+    buffer = torch.cat([g.reshape(-1) for g in grads]).detach()
     return GradBucket(0, buffer, offsets, lengths, [p.shape for p in parameters], parameters, is_last=True)
 
 
@@ -131,8 +137,8 @@ def _refill(bucket: GradBucket, gradients: torch.Tensor) -> None:
 def _hook_seconds(
     workload_name: str, hooks: list[str], reps: int, threads: int, clock: str = "wall", device: str = "cpu"
 ) -> dict[str, list[float]]:
-    """Per hook, seconds of one call of the hook on all the workload's gradients as one bucket (fixed random
-    values, a fresh hook state per repetition after two untimed calls): encoding and decoding alone, on the
+    """Per hook, seconds of one call of the hook on all the workload's gradients of one batch as one bucket
+    (a fresh hook state per repetition after two untimed calls): encoding and decoding alone, on the
     ``clock`` of :data:`CLOCKS` (on a GPU, after the device has finished the hook's work)."""
     now = CLOCKS[clock]
     torch.set_num_threads(threads)
