@@ -453,7 +453,8 @@ class AutoHookState(HookState):
                         sums[key].difference += difference
                         sums[key].exact += exact
                     else:
-                        sums[key] = _ErrorSums(difference.clone(), exact.clone(), numel / sample.numel())
+                        # an empty parameter's sample is empty too: weight 0, it has nothing to count
+                        sums[key] = _ErrorSums(difference.clone(), exact.clone(), numel / max(sample.numel(), 1))
                     offset += sample.numel()
                     position += numel
         self._overhead += time.perf_counter() - start
