@@ -32,11 +32,11 @@ step boundary, before the step's first bucket is handed on, and identically on e
    * its *error*: the relative error of its accumulated update, ``‖Σ(result − exact)‖ / ‖Σ exact‖`` over
      all its trial steps, where ``exact`` is the true average from a second, uncounted allreduce of a strided
      sample of each gradient (at most 1024 elements per parameter, so the pass costs little even on a slow
-     link; an odd stride, so that every column of a matrix is visited). Each parameter's squared sums count
-     as many times as its sample is smaller than the parameter, so the sample estimates the error of all
-     elements: counted as they are, a model's biases and norms, which compressed hooks send exactly, weighed
-     as much as its largest matrices, and PowerSGD's error on the transformer workload read as 0.20 where it
-     is 0.59. Summing over steps is what makes error-feedback methods (PowerSGD, EF top-k) comparable with the
+     link; an odd stride, so that every column of a matrix is visited). Each parameter's sums of squares are
+     weighted by the number of its elements a sampled one stands for, so that the sample estimates the error
+     of all elements (unweighted, a model's biases and norms, which compressed hooks send exactly, counted as
+     much as its largest matrices: PowerSGD's per-step error on the transformer workload read 0.20 for 0.59).
+     Summing over steps is what makes error-feedback methods (PowerSGD, EF top-k) comparable with the
      others: their per-step error is large, but what they leave out is sent in later steps, so the sum of
      their updates stays close to the sum of exact averages (the difference is the last residual). A biased
      method without error feedback keeps its error in the sum and is excluded.
@@ -103,6 +103,11 @@ DEFAULT_CANDIDATES = "fp16_compress+allreduce+powersgd:matrix_approximation_rank
 PowerSGD compresses from the run's third step (``start_powerSGD_iter=2``), its first trial step."""
 
 _SAMPLE_PER_PARAMETER = 1024
+_CUT_FACTOR = 1.5
+_REFUSED = {"auto": "auto cannot be its own candidate", "noop": "noop does not average gradients",
+            "post_localsgd": "post_localsgd leaves the replicas different on purpose"}
+_KEPT_DECISIONS = 20
+_FORMAT = 1
 
 
 @dataclass
@@ -113,11 +118,6 @@ class _ErrorSums:
     difference: torch.Tensor
     exact: torch.Tensor
     weight: float
-_CUT_FACTOR = 1.5
-_REFUSED = {"auto": "auto cannot be its own candidate", "noop": "noop does not average gradients",
-            "post_localsgd": "post_localsgd leaves the replicas different on purpose"}
-_KEPT_DECISIONS = 20
-_FORMAT = 1
 
 
 @dataclass
