@@ -457,9 +457,9 @@ def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
 
     The set is ``torch.topk``'s (up to the choice among equal magnitudes at the k-th place). On the CPU a
     large tensor goes a faster way (a full ``topk`` costs about 12 ns per element there): the magnitude at
-    the ``2k``-th place of an evenly strided sample of about 4096 (:func:`sample_stride`) estimates a threshold, every element not
-    below it is a candidate, and the top k of the candidates are the top k of all when there are at least k
-    of them (otherwise, rarely, the full ``topk`` runs). Where the threshold is 0 (a mostly zero tensor: an
+    the ``2k``-th place of an evenly strided sample of about 4096 (:func:`sample_stride`) estimates a
+    threshold, every element not below it is a candidate, and the top k of the candidates are the top k of all
+    when there are at least k of them (otherwise, rarely, the full ``topk`` runs). Where the threshold is 0 (a mostly zero tensor: an
     embedding's gradient, say), every element would be a candidate: the candidates are the elements above it,
     and where fewer than k are, the first zeros make up the rest. The sample needs no random draws, so ranks
     compute it alike; only the amount of work depends on the values, never the result's size.
@@ -497,7 +497,7 @@ def sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
         mask = mask.clone()
     all_words = mask[:head].view(torch.int64)
     words = all_words.nonzero().squeeze(1)
-    found = all_words[words].view(torch.uint8).view(-1, 8).nonzero()  # words gathered whole: 4x faster than rows of 8
+    found = all_words[words].view(torch.uint8).view(-1, 8).nonzero()  # whole words: 4x faster than rows of 8
     indices = words[found[:, 0]].mul_(8).add_(found[:, 1])
     if head == length:
         return indices
