@@ -140,6 +140,13 @@ def _split_by_message(parts: list[torch.Tensor], messages: Sequence[Message]) ->
     return out
 
 
+def _divided_flat(parts: Sequence[torch.Tensor], world_size: int) -> torch.Tensor:
+    """``parts`` flattened into one new tensor, divided by ``world_size``: one pass for a single part."""
+    if len(parts) == 1:
+        return parts[0].reshape(-1).div(world_size)
+    return torch.cat([part.reshape(-1) for part in parts]).div_(world_size)
+
+
 @dataclass(frozen=True)
 class Allreduce(Communicator):
     """Sum the payloads with allreduce: they must be floating point and linear in the compressed tensor.
@@ -162,10 +169,7 @@ class Allreduce(Communicator):
             if not part.is_floating_point():
                 raise TypeError(f"Allreduce: payloads must be floating point, got {part.dtype}")
             by_dtype.setdefault(part.dtype, []).append(index)
-        flats = [
-            torch.cat([parts[i].reshape(-1) for i in indices]).div_(world_size)
-            for indices in by_dtype.values()
-        ]
+        flats = [_divided_flat([parts[i] for i in indices], world_size) for indices in by_dtype.values()]
         futures = [launcher.launch(_all_reduce(flat, group), flat.device) for flat in flats]
 
         def decompress(_: torch.futures.Future[list[torch.Tensor]]) -> list[torch.Tensor]:

@@ -11,7 +11,7 @@ Per bucket, every parameter's gradient is handled on its own: large ones are com
 compressor's error feedback, keyed by parameter), small ones (biases, norms: fewer than ``min_numel``
 elements, or compressed less than ``min_compression_rate`` times) are sent dense, in an allreduce of their
 own or, where the method's communicator carries them at no cost (an all-gather on two ranks), in its
-collective. Tensors that share a communicator share its collectives, so a bucket costs one collective per
+collective; a bucket's dense gradients travel as one flat tensor. Tensors that share a communicator share its collectives, so a bucket costs one collective per
 communicator (per stage), whatever its number of parameters. The future holds the bucket's averaged
 gradient, decompressed into the bucket's buffer (as torch's hooks do).
 
@@ -174,16 +174,22 @@ def compressed_allreduce_hook(
     gradients = bucket.gradients()
     keys = state.keys(bucket)
     state.check_loaded(bucket, keys, gradients)
-    batches: dict[Communicator, list[tuple[int, Message]]] = {}
     method = state.compressor.communicator
     dense = method if method.carries_dense(world_size) else _DENSE.communicator
+    compressed = [state.compresses(gradient) for gradient in gradients]
+    # Per communicator, its messages with their positions in the bucket. The dense gradients are one flat
+    # message, first: one encoding and decoding for all of a bucket's biases and norms rather than one each,
+    # and a bucket sent all dense is summed as the bucket itself, at the same offsets as a plain allreduce.
+    batches: dict[Communicator, list[tuple[list[int], Message]]] = {}
+    sent_dense = [position for position, is_compressed in enumerate(compressed) if not is_compressed]
+    if sent_dense:
+        flats = [gradients[position].reshape(-1) for position in sent_dense]
+        flat = flats[0] if len(flats) == 1 else torch.cat(flats)
+        batches[dense] = [(sent_dense, dense.encode(_DENSE, None, flat, _NO_MEMORY, world_size))]
     for position, (key, gradient) in enumerate(zip(keys, gradients, strict=True)):
-        if state.compresses(gradient):
-            compressor, memory, communicator = state.compressor, state.memory, method
-        else:
-            compressor, memory, communicator = _DENSE, _NO_MEMORY, dense
-        message = communicator.encode(compressor, key, gradient, memory, world_size)
-        batches.setdefault(communicator, []).append((position, message))
+        if compressed[position]:
+            message = method.encode(state.compressor, key, gradient, state.memory, world_size)
+            batches.setdefault(method, []).append(([position], message))
     futures = [
         communicator.exchange(
             [message for _, message in items], state.process_group, state.server_memory, state._launcher
@@ -195,11 +201,12 @@ def compressed_allreduce_hook(
     def assemble(fut: torch.futures.Future[list[list[torch.Tensor]]]) -> torch.Tensor:
         averaged: dict[int, torch.Tensor] = {}
         for items, tensors in zip(batches.values(), fut.value(), strict=True):
-            averaged.update((position, tensor) for (position, _), tensor in zip(items, tensors, strict=True))
-        return _written_into(buffer, [averaged[position].reshape(-1) for position in range(len(gradients))])
+            for (positions, _), tensor in zip(items, tensors, strict=True):
+                pieces = tensor.reshape(-1).split([gradients[position].numel() for position in positions])
+                averaged.update(zip(positions, pieces, strict=True))
+        return _written_into(buffer, [averaged[position] for position in range(len(gradients))])
 
     result = when_all(futures, buffer.device).then(assemble)
     if bucket.is_last():  # DDP's own collectives after the last bucket must come after all of the hook's
         state._launcher.wait_until_launched()
     return result
-
