@@ -343,6 +343,39 @@ def test_majority_signs_is_the_sign_of_the_summed_signs(dtype, ranks, length, se
     assert torch.equal(votes, summed.sign().to(dtype))
 
 
+ELEMENTWISE = sorted(name for name, make in COMPRESSORS.items() if make().elementwise)
+
+
+def test_the_elementwise_methods_are_flagged():
+    assert {"none", "signsgd"} <= set(ELEMENTWISE)  # else the test below checks nothing the hook relies on
+
+
+@pytest.mark.parametrize("name", ELEMENTWISE)
+@FAST
+@given(
+    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=5),
+    ranks=st.integers(1, 4),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_an_elementwise_method_decodes_a_concatenation_as_its_parts(name, lengths, ranks, dtype, seed):
+    """What lets the hook send a bucket's tensors as one (``Compressor.elementwise``): decoding, and the
+    aggregation of every rank's payloads, give for a concatenation of tensors the concatenation of their
+    results, bit for bit, whatever the tensors' lengths (bit packing's byte boundaries fall elsewhere)."""
+    compressor = COMPRESSORS[name]()
+    x = torch.randn(ranks, sum(lengths), generator=torch.Generator().manual_seed(seed)).to(dtype)
+    x[:, ::7] = 0.0
+
+    def aggregated(rows: torch.Tensor) -> torch.Tensor:
+        payloads = [compressor.compress(row) for row in rows]
+        gathered = [torch.stack(parts) for parts in zip(*(payload for payload, _ in payloads), strict=True)]
+        return compressor.aggregate(gathered, payloads[0][1])
+
+    parts = x.split(lengths, dim=1)
+    assert torch.equal(round_trip(compressor, x[0]), torch.cat([round_trip(compressor, part[0]) for part in parts]))
+    assert torch.equal(aggregated(x), torch.cat([aggregated(part) for part in parts]))
+
+
 @pytest.mark.parametrize("scale", [1.0, 1e-12, 1e-25, 1e-40, 1e19, 1e30, 3e37])
 @FAST
 @given(rows=st.integers(1, 3), numel=st.integers(1, 5000), seed=st.integers(0, 2**16), by_row=st.booleans())

@@ -286,7 +286,8 @@ def decode_bits(packed: torch.Tensor, bits: int, length: int, values: torch.Tens
     scale, say) cost no pass of their own over the result; the result has ``values``' dtype.
     """
     patterns = _byte_codes(bits, packed.device)
-    rows = packed.reshape(-1, packed.shape[-1]).to(torch.int32)
+    leading, width = packed.shape[:-1], packed.shape[-1]  # sizes, not -1: an empty packing is decoded too
+    rows = packed.reshape(leading.numel(), width).to(torch.int32)
     tables = values.reshape(-1, 2**bits)  # one row of values per table
     if bits < 8:  # at 8 bits a byte is one code: its table row is the code's value
         tables = tables[:, patterns]
@@ -294,7 +295,7 @@ def decode_bits(packed: torch.Tensor, bits: int, length: int, values: torch.Tens
     if tables.shape[0] > 1:  # one table per row, side by side: row r's bytes index rows 256 * r onwards
         rows += 256 * torch.arange(rows.shape[0], dtype=torch.int32, device=packed.device).unsqueeze(1)
     decoded = gather_rows(table, rows.reshape(-1))
-    return decoded.reshape(*packed.shape[:-1], -1)[..., :length]
+    return decoded.reshape(*leading, width * patterns.shape[1])[..., :length]
 
 
 _ROW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}

@@ -104,6 +104,10 @@ class Compressor(ABC):
 
     communicator: ClassVar[Communicator]
     error_feedback: ErrorFeedback = ErrorFeedback.RECOMMENDED
+    elementwise: ClassVar[bool] = False
+    """Whether each element is encoded and decoded on its own (no statistic over a tensor, no random draws):
+    then a concatenation of tensors decodes to the concatenation of their results, bit for bit, and the
+    hook sends a bucket's tensors as one (where no error feedback keeps a residual per parameter)."""
     name: ClassVar[str | None] = None
     """The registry name of a registered method; ``None`` otherwise."""
     summary: ClassVar[str] = ""

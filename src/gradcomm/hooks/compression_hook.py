@@ -7,11 +7,12 @@ Register it in one line on torch's DistributedDataParallel or gradcomm's (overla
 
     ddp.register_comm_hook(CompressionState(TopK(ratio=0.01)), compressed_allreduce_hook)
 
-Per bucket, every parameter's gradient is handled on its own: large ones are compressed (with the
-compressor's error feedback, keyed by parameter), small ones (biases, norms: fewer than ``min_numel``
-elements, or compressed less than ``min_compression_rate`` times) are sent dense, in an allreduce of their
-own or, where the method's communicator carries them at no cost (an all-gather on two ranks), in its
-collective; a bucket's dense gradients travel as one flat tensor. Tensors that share a communicator share its collectives, so a bucket costs one collective per
+Per bucket, large gradients are compressed one by one (with the compressor's error feedback, keyed by
+parameter), or as one concatenation where the method is elementwise and keeps no residuals (signSGD).
+Small ones (biases, norms: fewer than ``min_numel`` elements, or compressed less than
+``min_compression_rate`` times) are sent dense, as one flat tensor per bucket, in an allreduce of their own
+or, where the method's communicator carries them at no cost (an all-gather on two ranks), in its
+collective. Tensors that share a communicator share its collectives, so a bucket costs one collective per
 communicator (per stage), whatever its number of parameters. The future holds the bucket's averaged
 gradient, decompressed into the bucket's buffer (as torch's hooks do).
 
@@ -177,19 +178,21 @@ def compressed_allreduce_hook(
     method = state.compressor.communicator
     dense = method if method.carries_dense(world_size) else _DENSE.communicator
     compressed = [state.compresses(gradient) for gradient in gradients]
-    # Per communicator, its messages with their positions in the bucket. The dense gradients are one flat
-    # message, first: one encoding and decoding for all of a bucket's biases and norms rather than one each,
-    # and a bucket sent all dense is summed as the bucket itself, at the same offsets as a plain allreduce.
+    # Per communicator, its messages, each with its gradients' positions in the bucket. The dense gradients
+    # come first, as one flat message: one encoding and decoding for all of a bucket's biases and norms, and
+    # a bucket sent all dense is summed as the bucket itself, at the same offsets as a plain allreduce.
     batches: dict[Communicator, list[tuple[list[int], Message]]] = {}
-    sent_dense = [position for position, is_compressed in enumerate(compressed) if not is_compressed]
-    if sent_dense:
-        flats = [gradients[position].reshape(-1) for position in sent_dense]
-        flat = flats[0] if len(flats) == 1 else torch.cat(flats)
-        batches[dense] = [(sent_dense, dense.encode(_DENSE, None, flat, _NO_MEMORY, world_size))]
-    for position, (key, gradient) in enumerate(zip(keys, gradients, strict=True)):
-        if compressed[position]:
-            message = method.encode(state.compressor, key, gradient, state.memory, world_size)
-            batches.setdefault(method, []).append(([position], message))
+    for compressor, memory, communicator, is_compressed in (
+        (_DENSE, _NO_MEMORY, dense, False),
+        (state.compressor, state.memory, method, True),
+    ):
+        positions = [position for position, flag in enumerate(compressed) if flag == is_compressed]
+        together = compressor.elementwise and not memory.enabled
+        for group in [positions] if together and positions else [[position] for position in positions]:
+            tensor = gradients[group[0]] if len(group) == 1 else torch.cat([gradients[i].reshape(-1) for i in group])
+            key = keys[group[0]] if len(group) == 1 else None
+            message = communicator.encode(compressor, key, tensor, memory, world_size)
+            batches.setdefault(communicator, []).append((group, message))
     futures = [
         communicator.exchange(
             [message for _, message in items], state.process_group, state.server_memory, state._launcher

@@ -17,6 +17,7 @@ class NoCompression(Compressor):
 
     communicator = ALLREDUCE
     error_feedback = ErrorFeedback.OPTIONAL
+    elementwise = True
 
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, Any]:
         return [tensor], None

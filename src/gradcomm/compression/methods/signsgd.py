@@ -29,6 +29,7 @@ class SignSGD(Compressor, name="signsgd", summary="signSGD with majority vote"):
 
     communicator = ALLGATHER
     error_feedback = ErrorFeedback.UNSUPPORTED
+    elementwise = True
 
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, TensorSpec]:
         return [pack_signs(tensor.reshape(-1))], TensorSpec.of(tensor)
