@@ -432,6 +432,9 @@ def test_results_go_into_the_buffer_unless_a_piece_shares_it_or_has_another_dtyp
     assert result.data_ptr() != buffer.data_ptr() and torch.equal(result, torch.tensor([4.0, 5.0, 1.0, 2.0, 3.0]))
     result = compression_hook._written_into(buffer, [p.double() for p in pieces])
     assert result.data_ptr() != buffer.data_ptr() and result.dtype == buffer.dtype
+    decoded_in_place = buffer[2:].copy_(torch.tensor([8.0, 9.0, 10.0]))  # in its own place: left there
+    result = compression_hook._written_into(buffer, [torch.tensor([6.0, 7.0]), decoded_in_place])
+    assert result.data_ptr() == buffer.data_ptr() and torch.equal(buffer, torch.arange(6.0, 11.0))
 
 
 _BUCKET_SHAPES = [(), (0,), (1, 2000), (3000,), (40, 50), (7,)]

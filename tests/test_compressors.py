@@ -343,6 +343,21 @@ def test_majority_signs_is_the_sign_of_the_summed_signs(dtype, ranks, length, se
     assert torch.equal(votes, summed.sign().to(dtype))
 
 
+@pytest.mark.parametrize("name", ["topk", "dgc"])
+@FAST
+@given(x=tensors(), ranks=st.integers(1, 3))
+def test_sparse_methods_aggregate_into_the_tensor_given(name, x, ranks):
+    """The hook passes each gradient's place in the bucket as ``out``: the mean is written there (no
+    gradient-sized zeros to allocate and copy), the same bits as a new tensor."""
+    compressors = [COMPRESSORS[name]() for _ in range(ranks)]
+    payloads = [compressor.compress(x * (rank + 1)) for rank, compressor in enumerate(compressors)]
+    gathered = [torch.stack(parts) for parts in zip(*(payload for payload, _ in payloads), strict=True)]
+    out = torch.full_like(x, float("nan"))
+    result = compressors[0].aggregate(gathered, payloads[0][1], out)
+    assert result.data_ptr() == out.data_ptr() and result.shape == x.shape
+    assert torch.equal(result, compressors[0].aggregate(gathered, payloads[0][1]))
+
+
 ELEMENTWISE = sorted(name for name, make in COMPRESSORS.items() if make().elementwise)
 
 

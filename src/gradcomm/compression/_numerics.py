@@ -540,10 +540,16 @@ def sparse_to_dense(values: torch.Tensor, indices: torch.Tensor, numel: int, dty
     return dense.scatter_(0, indices.long(), values)
 
 
-def sparse_mean(values: torch.Tensor, indices: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """The mean over ranks of sparse payloads gathered with a leading rank axis, summed in rank order."""
+def sparse_mean(
+    values: torch.Tensor, indices: torch.Tensor, numel: int, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The mean over ranks of sparse payloads gathered with a leading rank axis, summed in rank order; flat,
+    in ``out`` where given and contiguous (``numel`` elements of ``dtype``), else in a new tensor."""
     world_size = values.shape[0]
-    total = torch.zeros(numel, dtype=dtype, device=values.device)
+    if out is not None and out.is_contiguous() and out.numel() == numel and out.dtype == dtype:
+        total = out.view(-1).zero_()
+    else:
+        total = torch.zeros(numel, dtype=dtype, device=values.device)
     for rank in range(world_size):  # indices are distinct within a rank: deterministic even with atomics
         total.index_add_(0, indices[rank].long(), values[rank] / world_size)
     return total

@@ -141,10 +141,13 @@ class Compressor(ABC):
         """
         return corrected - self.decompress(payload, ctx)
 
-    def aggregate(self, gathered: Payload, ctx: Any) -> torch.Tensor:
+    def aggregate(self, gathered: Payload, ctx: Any, out: torch.Tensor | None = None) -> torch.Tensor:
         """The mean over ranks of decompressed payloads; each tensor of ``gathered`` has a leading rank axis.
 
-        Ranks are summed in rank order so that every rank computes bit-identical results.
+        Ranks are summed in rank order so that every rank computes bit-identical results. ``out``, when given,
+        is a tensor shaped and typed like the original (the gradient's place in its bucket) that the method may
+        write the mean into and return, rather than a new tensor for the caller to copy there (sparse methods
+        do: they zero it and add their few values); a method is free to ignore it.
         """
         world_size = gathered[0].shape[0]
         return ordered_mean(

@@ -53,6 +53,9 @@ class Message:
     compressor: Compressor
     payload: Payload
     ctx: Any
+    out: torch.Tensor | None = None
+    """Where the mean may be decoded to (see :meth:`Compressor.aggregate`): the tensor's place in its bucket,
+    once nothing reads it any more."""
 
 
 def compensated_compress(
@@ -218,7 +221,7 @@ class Allgather(Communicator):
         def aggregate(fut: torch.futures.Future[torch.Tensor]) -> list[torch.Tensor]:
             gathered = _unpack_rows(fut.value().view(world_size, -1), templates)
             return [
-                message.compressor.aggregate(parts, message.ctx)
+                message.compressor.aggregate(parts, message.ctx, message.out)
                 for message, parts in zip(messages, _split_by_message(gathered, messages), strict=True)
             ]
 

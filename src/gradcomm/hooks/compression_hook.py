@@ -158,13 +158,23 @@ class CompressionState(HookState):
 
 def _written_into(buffer: torch.Tensor, pieces: list[torch.Tensor]) -> torch.Tensor:
     """The bucket's averaged gradients ``pieces``, in order, written into its ``buffer``, which is returned, as
-    torch's hooks return theirs: DDP then has nothing to copy, and no gradient-sized tensor is allocated. A
-    new tensor instead where a piece has another dtype or shares the buffer's memory (a method whose decoding
-    returns what it was given)."""
+    torch's hooks return theirs: DDP then has nothing to copy, and no gradient-sized tensor is allocated.
+    Pieces decoded in their own place in the buffer are left there. A new tensor instead where a piece has
+    another dtype or lies elsewhere in the buffer (a method whose decoding returns what it was given)."""
+    if any(piece.dtype != buffer.dtype for piece in pieces):
+        return torch.cat(pieces).to(buffer.dtype).view(buffer.shape)
     memory = buffer.untyped_storage().data_ptr()
-    if all(piece.dtype == buffer.dtype and piece.untyped_storage().data_ptr() != memory for piece in pieces):
+    inside = [piece.untyped_storage().data_ptr() == memory for piece in pieces]
+    if not any(inside):
         return torch.cat(pieces, out=buffer.view(-1)).view(buffer.shape)
-    return torch.cat(pieces).to(buffer.dtype).view(buffer.shape)
+    slots = buffer.view(-1).split([piece.numel() for piece in pieces])
+    placed = [piece.data_ptr() == slot.data_ptr() for piece, slot in zip(pieces, slots, strict=True)]
+    if any(is_inside and not is_placed for is_inside, is_placed in zip(inside, placed, strict=True)):
+        return torch.cat(pieces).view(buffer.shape)  # writing in place could overwrite a piece not yet read
+    moved = [position for position, is_placed in enumerate(placed) if not is_placed]
+    if moved:
+        torch._foreach_copy_([slots[i] for i in moved], [pieces[i].reshape(-1) for i in moved])
+    return buffer
 
 
 def compressed_allreduce_hook(
@@ -192,6 +202,8 @@ def compressed_allreduce_hook(
             tensor = gradients[group[0]] if len(group) == 1 else torch.cat([gradients[i].reshape(-1) for i in group])
             key = keys[group[0]] if len(group) == 1 else None
             message = communicator.encode(compressor, key, tensor, memory, world_size)
+            if len(group) == 1:  # the bucket is not read after encoding: its mean may be decoded in place
+                message.out = tensor
             batches.setdefault(communicator, []).append((group, message))
     futures = [
         communicator.exchange(

@@ -117,9 +117,9 @@ class DGC(Compressor, name="dgc", summary="Deep Gradient Compression: momentum-c
         values, indices = payload
         return sparse_to_dense(values, indices, ctx.numel, ctx.dtype).view(ctx.shape)
 
-    def aggregate(self, gathered: Payload, ctx: TensorSpec) -> torch.Tensor:
+    def aggregate(self, gathered: Payload, ctx: TensorSpec, out: torch.Tensor | None = None) -> torch.Tensor:
         values, indices = gathered
-        return sparse_mean(values, indices, ctx.numel, ctx.dtype).view(ctx.shape)
+        return sparse_mean(values, indices, ctx.numel, ctx.dtype, out).view(ctx.shape)
 
     def _buffers(self, key: Hashable, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``key``'s momentum and accumulation (zeros at first), on ``tensor``'s device and in its dtype."""

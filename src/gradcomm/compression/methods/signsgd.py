@@ -37,7 +37,7 @@ class SignSGD(Compressor, name="signsgd", summary="signSGD with majority vote"):
     def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
         return unpack_signs(payload[0], ctx.numel, ctx.dtype).view(ctx.shape)
 
-    def aggregate(self, gathered: Payload, ctx: TensorSpec) -> torch.Tensor:
+    def aggregate(self, gathered: Payload, ctx: TensorSpec, out: torch.Tensor | None = None) -> torch.Tensor:
         if gathered[0].shape[0] == 1:  # one rank: the vote is its signs
             return self.decompress([gathered[0][0]], ctx)
         return majority_signs(gathered[0], ctx.numel, ctx.dtype).view(ctx.shape)

@@ -55,6 +55,6 @@ class TopK(Compressor, name="topk", summary="top-k sparsification, error feedbac
         finite values (a sent infinity or NaN leaves 0, where the subtraction leaves NaN)."""
         return zero_at(corrected, payload[1])
 
-    def aggregate(self, gathered: Payload, ctx: TensorSpec) -> torch.Tensor:
+    def aggregate(self, gathered: Payload, ctx: TensorSpec, out: torch.Tensor | None = None) -> torch.Tensor:
         values, indices = gathered
-        return sparse_mean(values, indices, ctx.numel, ctx.dtype).view(ctx.shape)
+        return sparse_mean(values, indices, ctx.numel, ctx.dtype, out).view(ctx.shape)
