@@ -63,14 +63,17 @@ def nonzero_or_one(x: torch.Tensor) -> torch.Tensor:
 _nonzero = nonzero_or_one
 
 
-def ordered_mean(tensors: Iterable[torch.Tensor], count: int) -> torch.Tensor:
+def ordered_mean(tensors: Iterable[torch.Tensor], count: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Mean of ``count`` tensors (or rows of a tensor) summed in the given order, so that every rank computing
     it gets identical bits; each is divided first, so the sum cannot overflow where the mean does not. The mean
-    of one tensor is that tensor itself (not a copy)."""
+    of one tensor is that tensor itself (not a copy); of several, it is summed in ``out`` where given (a tensor
+    of their shape and dtype that none of them shares memory with)."""
     iterator = iter(tensors)
     if count == 1:
         return next(iterator)
-    total = next(iterator) / count
+    first = next(iterator)
+    usable = out is not None and out.shape == first.shape and out.dtype == first.dtype
+    total = torch.div(first, count, out=out) if usable else first / count
     for tensor in iterator:
         total += tensor / count
     return total

@@ -153,6 +153,7 @@ class Compressor(ABC):
         return ordered_mean(
             (self.decompress([part[rank] for part in gathered], ctx) for rank in range(world_size)),
             world_size,
+            out,
         )
 
     def stream(self, key: Hashable) -> contextlib.AbstractContextManager[None]:
