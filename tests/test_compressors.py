@@ -365,6 +365,22 @@ def test_aggregate_writes_into_the_tensor_given(name, x, ranks):
         assert result.data_ptr() == out.data_ptr()
 
 
+def test_an_aggregate_written_without_out_is_called_without_it():
+    """A method written before ``out`` existed (``aggregate(self, gathered, ctx)``) keeps working: the
+    communicators pass ``out``, which it ignores, and its mean is a new tensor."""
+
+    class OlderTopK(TopK):
+        def aggregate(self, gathered, ctx):
+            return super().aggregate(gathered, ctx)
+
+    x = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    payload, ctx = OlderTopK(0.1).compress(x)
+    gathered = [part.unsqueeze(0) for part in payload]
+    out = torch.full_like(x, float("nan"))
+    result = OlderTopK(0.1).aggregate(gathered, ctx, out)
+    assert result.data_ptr() != out.data_ptr() and torch.equal(result, TopK(0.1).aggregate(gathered, ctx))
+
+
 ELEMENTWISE = sorted(name for name, make in COMPRESSORS.items() if make().elementwise)
 
 

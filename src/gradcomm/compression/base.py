@@ -18,9 +18,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
+import functools
 import hashlib
+import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -89,6 +91,19 @@ class TensorSpec:
         return self.shape.numel()
 
 
+def _ignoring_out(
+    aggregate: Callable[[Compressor, Payload, Any], torch.Tensor],
+) -> Callable[..., torch.Tensor]:
+    """An ``aggregate`` written without the ``out`` argument (before it existed), accepting and ignoring it:
+    its mean is a new tensor, which the hook copies into the bucket."""
+
+    @functools.wraps(aggregate)
+    def accepting_out(self: Compressor, gathered: Payload, ctx: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        return aggregate(self, gathered, ctx)
+
+    return accepting_out
+
+
 class Compressor(ABC):
     """A gradient compression method (see the module docstring).
 
@@ -117,6 +132,9 @@ class Compressor(ABC):
         super().__init_subclass__(**kwargs)
         cls.name = name
         cls.summary = summary
+        aggregate = cls.__dict__.get("aggregate")
+        if aggregate is not None and "out" not in inspect.signature(aggregate).parameters:
+            cls.aggregate = _ignoring_out(aggregate)  # type: ignore[method-assign]
         if name is not None:
             from gradcomm.compression.registry import register
 
