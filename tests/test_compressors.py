@@ -37,7 +37,7 @@ from gradcomm.compression._numerics import (
     unpack_bits,
     unpack_signs,
 )
-from gradcomm.compression.communicators import ALLGATHER, compensated_compress
+from gradcomm.compression.communicators import ALLGATHER, ALLREDUCE, compensated_compress
 from gradcomm.compression.registry import methods
 
 HUGE = float(np.float32(1e30))
@@ -365,20 +365,44 @@ def test_aggregate_writes_into_the_tensor_given(name, x, ranks):
         assert result.data_ptr() == out.data_ptr()
 
 
-def test_an_aggregate_written_without_out_is_called_without_it():
-    """A method written before ``out`` existed (``aggregate(self, gathered, ctx)``) keeps working: the
-    communicators pass ``out``, which it ignores, and its mean is a new tensor."""
+def test_decoders_written_without_out_are_called_without_it():
+    """A method written without ``out`` (``decompress(self, payload, ctx)``, ``aggregate(self, gathered,
+    ctx)``) keeps working: the communicators pass ``out``, which it ignores, and its result is a new tensor."""
 
-    class OlderTopK(TopK):
+    class WithoutOut(RandomK):
+        def decompress(self, payload, ctx):
+            return super().decompress(payload, ctx)
+
         def aggregate(self, gathered, ctx):
             return super().aggregate(gathered, ctx)
 
     x = torch.randn(100, generator=torch.Generator().manual_seed(0))
-    payload, ctx = OlderTopK(0.1).compress(x)
+    payload, ctx = WithoutOut(0.1).compress(x)
     gathered = [part.unsqueeze(0) for part in payload]
+    for decoder, received in (("decompress", payload), ("aggregate", gathered)):
+        out = torch.full_like(x, float("nan"))
+        result = getattr(WithoutOut(0.1), decoder)(received, ctx, out)
+        assert result.data_ptr() != out.data_ptr(), decoder
+        assert torch.equal(result, getattr(RandomK(0.1), decoder)(received, ctx)), decoder
+
+
+SUMMED = [name for name in NAMES if COMPRESSORS[name]().communicator is ALLREDUCE]
+
+
+@pytest.mark.parametrize("name", SUMMED)
+@FAST
+@given(x=tensors())
+def test_decompress_writes_into_the_tensor_given(name, x):
+    """For the summed methods the hook's ``out`` reaches ``decompress``: random-k writes its values into it
+    (no gradient-sized zeros to allocate and copy), the same bits as a new tensor."""
+    compressor = COMPRESSORS[name]()
+    with compressor.stream("x"):
+        payload, ctx = compressor.compress(x)
     out = torch.full_like(x, float("nan"))
-    result = OlderTopK(0.1).aggregate(gathered, ctx, out)
-    assert result.data_ptr() != out.data_ptr() and torch.equal(result, TopK(0.1).aggregate(gathered, ctx))
+    result = compressor.decompress(payload, ctx, out)
+    assert result.shape == x.shape and torch.equal(result, compressor.decompress(payload, ctx))
+    if name.startswith("randomk"):
+        assert result.data_ptr() == out.data_ptr()
 
 
 ELEMENTWISE = sorted(name for name, make in COMPRESSORS.items() if make().elementwise)

@@ -46,6 +46,7 @@ __all__ = [
     "unpack_signs",
     "work_dtype",
     "zero_at",
+    "zeros_in",
 ]
 
 
@@ -537,6 +538,14 @@ def zero_at(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return tensor.view(-1).index_fill_(0, indices.long(), 0).view(tensor.shape)
 
 
+def zeros_in(out: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``numel`` zeros of ``dtype``, flat: ``out`` zeroed where it is contiguous with that size and dtype (a
+    decoder's ``out``, the gradient's place in its bucket), else a new tensor."""
+    if out is not None and out.is_contiguous() and out.numel() == numel and out.dtype == dtype:
+        return out.view(-1).zero_()
+    return torch.zeros(numel, dtype=dtype, device=device)
+
+
 def sparse_to_dense(values: torch.Tensor, indices: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A flat tensor of ``numel`` zeros holding ``values`` at ``indices``."""
     dense = torch.zeros(numel, dtype=dtype, device=values.device)
@@ -549,10 +558,7 @@ def sparse_mean(
     """The mean over ranks of sparse payloads gathered with a leading rank axis, summed in rank order; flat,
     in ``out`` where given and contiguous (``numel`` elements of ``dtype``), else in a new tensor."""
     world_size = values.shape[0]
-    if out is not None and out.is_contiguous() and out.numel() == numel and out.dtype == dtype:
-        total = out.view(-1).zero_()
-    else:
-        total = torch.zeros(numel, dtype=dtype, device=values.device)
+    total = zeros_in(out, numel, dtype, values.device)
     for rank in range(world_size):  # indices are distinct within a rank: deterministic even with atomics
         total.index_add_(0, indices[rank].long(), values[rank] / world_size)
     return total

@@ -92,14 +92,14 @@ class TensorSpec:
 
 
 def _ignoring_out(
-    aggregate: Callable[[Compressor, Payload, Any], torch.Tensor],
+    decoder: Callable[[Compressor, Payload, Any], torch.Tensor],
 ) -> Callable[..., torch.Tensor]:
-    """An ``aggregate`` written without the ``out`` argument (before it existed), accepting and ignoring it:
-    its mean is a new tensor, which the hook copies into the bucket."""
+    """A ``decompress`` or ``aggregate`` written without the ``out`` argument, accepting and ignoring it: its
+    result is a new tensor, which the hook copies into the bucket."""
 
-    @functools.wraps(aggregate)
-    def accepting_out(self: Compressor, gathered: Payload, ctx: Any, out: torch.Tensor | None = None) -> torch.Tensor:
-        return aggregate(self, gathered, ctx)
+    @functools.wraps(decoder)
+    def accepting_out(self: Compressor, payload: Payload, ctx: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        return decoder(self, payload, ctx)
 
     return accepting_out
 
@@ -132,9 +132,10 @@ class Compressor(ABC):
         super().__init_subclass__(**kwargs)
         cls.name = name
         cls.summary = summary
-        aggregate = cls.__dict__.get("aggregate")
-        if aggregate is not None and "out" not in inspect.signature(aggregate).parameters:
-            cls.aggregate = _ignoring_out(aggregate)  # type: ignore[method-assign]
+        for decoder in ("decompress", "aggregate"):
+            function = cls.__dict__.get(decoder)
+            if function is not None and "out" not in inspect.signature(function).parameters:
+                setattr(cls, decoder, _ignoring_out(function))
         if name is not None:
             from gradcomm.compression.registry import register
 
@@ -145,8 +146,11 @@ class Compressor(ABC):
         """Encode ``tensor``; the payload is what is sent, ``ctx`` what :meth:`decompress` needs locally."""
 
     @abstractmethod
-    def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
-        """A tensor of the original shape and dtype from a payload (or, for allreduce, a sum of payloads)."""
+    def decompress(self, payload: Payload, ctx: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A tensor of the original shape and dtype from a payload (or, for allreduce, a sum of payloads).
+
+        ``out``, as for :meth:`aggregate`: where the result may be written. A method that cannot use it may
+        leave it out of its signature (it is then accepted and ignored for it); random-k uses it."""
 
     def residual(self, corrected: torch.Tensor, payload: Payload, ctx: Any) -> torch.Tensor:
         """What error feedback keeps after ``corrected`` was compressed to ``payload``: ``corrected -
@@ -165,7 +169,8 @@ class Compressor(ABC):
         Ranks are summed in rank order so that every rank computes bit-identical results. ``out``, when given,
         is a tensor shaped and typed like the original (the gradient's place in its bucket) that the method may
         write the mean into and return, rather than a new tensor for the caller to copy there (sparse methods
-        do: they zero it and add their few values); a method is free to ignore it.
+        do: they zero it and add their few values); a method is free to ignore it, or to leave it out of its
+        signature.
         """
         world_size = gathered[0].shape[0]
         return ordered_mean(

@@ -54,8 +54,8 @@ class Message:
     payload: Payload
     ctx: Any
     out: torch.Tensor | None = None
-    """Where the mean may be decoded to (see :meth:`Compressor.aggregate`): the tensor's place in its bucket,
-    once nothing reads it any more."""
+    """Where the mean may be decoded to (see :meth:`Compressor.aggregate` and :meth:`Compressor.decompress`):
+    the tensor's place in its bucket, once nothing reads it any more."""
 
 
 def compensated_compress(
@@ -184,7 +184,7 @@ class Allreduce(Communicator):
                 )
             in_order = [summed[i] for i in range(len(parts))]
             return [
-                message.compressor.decompress(payload, message.ctx)
+                message.compressor.decompress(payload, message.ctx, message.out)
                 for message, payload in zip(messages, _split_by_message(in_order, messages), strict=True)
             ]
 

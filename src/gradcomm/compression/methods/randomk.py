@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from gradcomm.compression._numerics import random_subset, work_dtype, zero_at
+from gradcomm.compression._numerics import random_subset, work_dtype, zero_at, zeros_in
 from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompressor, TensorSpec
 from gradcomm.compression.communicators import ALLREDUCE
 
@@ -56,11 +56,13 @@ class RandomK(
         scale = numel / k if self.unbiased else 1.0
         return [flat[indices]], (indices, TensorSpec.of(tensor), scale)
 
-    def decompress(self, payload: Payload, ctx: tuple[torch.Tensor, TensorSpec, float]) -> torch.Tensor:
+    def decompress(
+        self, payload: Payload, ctx: tuple[torch.Tensor, TensorSpec, float], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         indices, spec, scale = ctx
         largest = torch.finfo(spec.dtype).max
         values = (payload[0].to(work_dtype(spec.dtype)) * scale).clamp_(-largest, largest).to(spec.dtype)
-        dense = torch.zeros(spec.numel, dtype=spec.dtype, device=values.device)
+        dense = zeros_in(out, spec.numel, spec.dtype, values.device)
         return dense.index_copy_(0, indices, values).view(spec.shape)
 
     def residual(
