@@ -464,10 +464,11 @@ def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
     large tensor goes a faster way (a full ``topk`` costs about 12 ns per element there): the magnitude at
     the ``2k``-th place of an evenly strided sample of about 4096 (:func:`sample_stride`) estimates a
     threshold, every element not below it is a candidate, and the top k of the candidates are the top k of all
-    when there are at least k of them (otherwise, rarely, the full ``topk`` runs). Where the threshold is 0 (a mostly zero tensor: an
-    embedding's gradient, say), every element would be a candidate: the candidates are the elements above it,
-    and where fewer than k are, the first zeros make up the rest. The sample needs no random draws, so ranks
-    compute it alike; only the amount of work depends on the values, never the result's size.
+    when there are at least k of them (otherwise, rarely, the full ``topk`` runs). Where the threshold is 0
+    (a mostly zero tensor: an embedding's gradient, say), every element would be a candidate: the candidates
+    are the elements above it, and where fewer than k are, the first zeros make up the rest. The sample needs
+    no random draws, so ranks compute it alike; only the amount of work depends on the values, never the
+    result's size.
     """
     magnitudes = flat.abs()
     stride = sample_stride(magnitudes.numel())

@@ -98,7 +98,9 @@ def _ignoring_out(
     result is a new tensor, which the hook copies into the bucket."""
 
     @functools.wraps(decoder)
-    def accepting_out(self: Compressor, payload: Payload, ctx: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+    def accepting_out(
+        self: Compressor, payload: Payload, ctx: Any, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return decoder(self, payload, ctx)
 
     return accepting_out

@@ -199,11 +199,13 @@ def compressed_allreduce_hook(
         positions = [position for position, flag in enumerate(compressed) if flag == is_compressed]
         together = compressor.elementwise and not memory.enabled
         for group in [positions] if together and positions else [[position] for position in positions]:
-            tensor = gradients[group[0]] if len(group) == 1 else torch.cat([gradients[i].reshape(-1) for i in group])
-            key = keys[group[0]] if len(group) == 1 else None
-            message = communicator.encode(compressor, key, tensor, memory, world_size)
             if len(group) == 1:  # the bucket is not read after encoding: its mean may be decoded in place
-                message.out = tensor
+                key, tensor = keys[group[0]], gradients[group[0]]
+                out: torch.Tensor | None = tensor
+            else:
+                key, tensor, out = None, torch.cat([gradients[i].reshape(-1) for i in group]), None
+            message = communicator.encode(compressor, key, tensor, memory, world_size)
+            message.out = out
             batches.setdefault(communicator, []).append((group, message))
     futures = [
         communicator.exchange(
