@@ -33,6 +33,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_d
 
 from gradcomm import comm
 from gradcomm.hooks import allgather_hooks, debugging_hooks, default_hooks, quantization_hooks
+from gradcomm.hooks.grad_bucket import GradBucket
 from gradcomm.testing import run_on_ranks
 from tests.ddp_kinds import DDP_KINDS, make_ddp
 
@@ -491,10 +492,65 @@ def test_quantization_matches_torch_quantization_ops(channel):
         assert torch.equal(scale, torch_scale.float().reshape(-1)), "scales differ from torch's observer"
         assert torch.equal(zero_point, torch_zero_point.float().reshape(-1)), "zero points differ"
 
-        levels = quantization_hooks._quantize(channels, scale, zero_point)
+        levels = quantization_hooks._quantize_(channels.clone(), scale, zero_point)
         level_diff = (levels.int() - torch_levels.reshape(levels.shape).int()).abs()
         assert level_diff.max() <= 1 and (level_diff > 0).float().mean() <= 1e-3, (
             f"{int((level_diff > 0).sum())} of {levels.numel()} levels differ from torch's, by up to {level_diff.max()}"
         )
         error = (quantization_hooks._dequantize(levels, scale, zero_point) - channels).abs()
         assert (error <= (0.5 + 2**-10) * scale[:, None]).all(), "a value moved by more than half a step"
+
+
+def _plain_quantized_mean(buckets: torch.Tensor, channel: int | None) -> torch.Tensor:
+    """The quantization hooks' mean written out plainly (every step a new tensor), from all ranks' buckets
+    (ranks x n): what the hooks compute in place must be these floats, bit for bit."""
+    ranks, n = buckets.shape
+    total = None
+    for flat in buckets.to(torch.float32):
+        channels = flat.view(1, -1) if channel is None else nn.functional.pad(flat, (0, -n % channel)).view(-1, channel)
+        lo, hi = channels.amin(dim=1).clamp(max=0), channels.amax(dim=1).clamp(min=0)
+        scale = ((hi - lo) / QUANT_LEVELS).clamp(min=torch.finfo(torch.float32).eps)
+        zero_point = (-torch.round(lo / scale)).clamp(0, QUANT_LEVELS)
+        levels = (torch.round(channels / scale[:, None]) + zero_point[:, None]).clamp(0, QUANT_LEVELS)
+        term = scale[:, None] * (levels.to(torch.uint8).to(torch.float32) - zero_point[:, None])
+        total = term if total is None else total + term
+    return (total.view(-1)[:n] / ranks).to(buckets.dtype)
+
+
+QUANTIZATION_SHAPES = [(1, torch.float32), (7, torch.float32), (1024, torch.float32), (1000, torch.float32),
+                       (1000, torch.float16), (1024, torch.bfloat16), (777, torch.float64)]
+
+
+def _quantization_hooks_against_plain_mean() -> list[str]:
+    """On every rank: each quantization hook on buckets of :data:`QUANTIZATION_SHAPES` (those that divide into
+    channels are quantized in the bucket's own memory); the failures, as messages."""
+    failures = []
+    hooks = {
+        "per tensor": (quantization_hooks.quantization_pertensor_hook, None),
+        "per channel": (quantization_hooks.quantization_perchannel_hook, 512),
+        "per channel of 7": (functools.partial(quantization_hooks.quantization_perchannel_hook, bucket_size=7), 7),
+    }
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    for n, dtype in QUANTIZATION_SHAPES:
+        local = (torch.randn(n, generator=generator) * torch.logspace(-4, 1, n)).to(dtype)
+        expected = {channel: _plain_quantized_mean(_gather(local), channel) for _, channel in hooks.values()}
+        for name, (hook, channel) in hooks.items():
+            buffer = local.clone()
+            bucket = GradBucket(0, buffer, [0], [n], [torch.Size([n])], [nn.Parameter(torch.zeros(n))], True)
+            result = hook(None, bucket).wait()
+            where = f"rank {dist.get_rank()}, {name}, {n} x {dtype}"
+            if result.data_ptr() != buffer.data_ptr() or result.dtype != dtype:
+                failures.append(f"{where}: the mean is not in the bucket's buffer, in its dtype")
+            if not torch.equal(result, expected[channel]):
+                worst = (result.double() - expected[channel].double()).abs().max().item()
+                failures.append(f"{where}: differs from the plain computation by up to {worst:.3g}")
+    return failures
+
+
+@pytest.mark.timeout(120)
+def test_quantization_hooks_compute_the_plain_mean_in_place():
+    """The quantization hooks quantize in the bucket's memory (where it is float32 and needs no padding) and
+    sum into it; the mean must still be the plain computation's, bit for bit, on 2 ranks, for the dtypes and
+    sizes that take each path (one element, channels that divide the bucket or not, 16- and 64-bit buckets)."""
+    failures = [f for rank_failures in run_on_ranks(_quantization_hooks_against_plain_mean, 2, timeout=100) for f in rank_failures]
+    assert not failures, "\n".join(failures)

@@ -38,11 +38,11 @@ on any backend, and return a tensor of the bucket's dtype.
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from gradcomm import comm
 from gradcomm.comm.futures import when_all
+from gradcomm.compression._numerics import as_uint8
 
 __all__ = ["quantization_perchannel_hook", "quantization_pertensor_hook"]
 
@@ -59,42 +59,71 @@ def _qparams(channels: torch.Tensor) -> torch.Tensor:
     return torch.stack((scale, zero_point))
 
 
-def _quantize(channels: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
-    """``channels`` (rows x columns) to uint8, with one ``scale`` and ``zero_point`` per row."""
-    levels = torch.round(channels / scale[:, None]) + zero_point[:, None]
-    return levels.clamp_(0, _LEVELS).to(torch.uint8)
+def _quantize_(channels: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    """``channels`` (rows x columns) to uint8, with one ``scale`` and ``zero_point`` per row; ``channels`` is
+    overwritten (divided, rounded, shifted and clamped in place: on the CPU a fresh bucket-sized temporary per
+    step costs more, in page faults, than the pass over it). The levels reach uint8 through int16
+    (:func:`~gradcomm.compression._numerics.as_uint8`): a direct float-to-uint8 conversion is several times
+    slower on the CPU, and the bytes are the same for values in 0..255."""
+    levels = channels.div_(scale[:, None]).round_().add_(zero_point[:, None]).clamp_(0, _LEVELS)
+    return as_uint8(levels)
 
 
-def _dequantize(quantized: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
-    return scale[:, None] * (quantized.to(torch.float32) - zero_point[:, None])
+def _dequantize(
+    quantized: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``scale * (quantized - zero_point)`` per row, as float32, written into ``out`` where given."""
+    return torch.sub(quantized, zero_point[:, None], out=out).mul_(scale[:, None])
+
+
+def _dequantized_sum(gathered: torch.Tensor, qparams: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks, in rank order, of their dequantized channels, written into ``out`` (float32, shaped
+    as the channels): ``gathered`` holds every rank's quantized channels, ``qparams`` every rank's ``(2,
+    rows)`` scales and zero points."""
+    ranks = zip(qparams, gathered.view(-1, *out.shape), strict=True)
+    (scale, zero_point), quantized = next(ranks)
+    _dequantize(quantized, scale, zero_point, out=out)
+    for (scale, zero_point), quantized in ranks:
+        out.add_(_dequantize(quantized, scale, zero_point))
+    return out
+
+
+def _float32_channels(buffer: torch.Tensor, channel_size: int | None) -> torch.Tensor:
+    """The bucket's values as float32 rows of ``channel_size`` (one row when ``None``), the last zero-padded:
+    the bucket's buffer itself where it is float32 and needs no padding, else a new tensor."""
+    flat = buffer.view(-1)
+    length = flat.numel() if channel_size is None else channel_size
+    padding = -flat.numel() % length if length else 0
+    if flat.dtype == torch.float32 and padding == 0:
+        return flat.view(-1, max(length, 1))
+    channels = torch.empty(flat.numel() + padding, dtype=torch.float32, device=flat.device)
+    channels[: flat.numel()].copy_(flat)
+    channels[flat.numel() :].zero_()
+    return channels.view(-1, length)
 
 
 def _quantized_allgather_mean(
     process_group: ProcessGroup | None, bucket: dist.GradBucket, channel_size: int | None
 ) -> torch.futures.Future[torch.Tensor]:
     """Quantize the bucket in channels of ``channel_size`` elements (one channel when ``None``), all-gather,
-    and average the dequantized buckets of all ranks into the bucket's buffer."""
+    and average the dequantized buckets of all ranks into the bucket's buffer.
+
+    The channels are quantized in place and then hold the sum of the ranks' dequantized channels; where the
+    bucket is float32 and needs no padding they are the bucket's buffer, so nothing bucket-sized but the
+    quantized bytes and one rank's term is allocated. (The bucket is not read after it is quantized: DDP
+    takes the hook's result from its future.)"""
     buffer = bucket.buffer()
     world_size = comm.group_size(process_group)
-    flat = buffer.to(torch.float32)
-    if channel_size is None:
-        channels = flat.view(1, -1)
-    else:
-        channels = F.pad(flat, (0, -flat.numel() % channel_size)).view(-1, channel_size)
-
+    channels = _float32_channels(buffer, channel_size)
     qparams = _qparams(channels)
     qparams_fut = comm.all_gather_into_tensor(qparams, process_group)
-    quantized_fut = comm.all_gather_into_tensor(_quantize(channels, *qparams), process_group)
+    quantized_fut = comm.all_gather_into_tensor(_quantize_(channels, *qparams), process_group)
 
     def dequantize_and_average(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         gathered_qparams, gathered = fut.value()
-        all_qparams = gathered_qparams.view(world_size, *qparams.shape)
-        all_quantized = gathered.view(world_size, *channels.shape)
-        total = torch.zeros_like(channels)
-        for (scale, zero_point), quantized in zip(all_qparams, all_quantized, strict=True):
-            total += _dequantize(quantized, scale, zero_point)
-        mean = total.view(-1)[: buffer.numel()] / world_size
-        return buffer.copy_(mean)
+        total = _dequantized_sum(gathered, gathered_qparams.view(world_size, *qparams.shape), out=channels)
+        mean = total.view(-1)[: buffer.numel()].div_(world_size)
+        return buffer if mean.data_ptr() == buffer.data_ptr() else buffer.copy_(mean.view(buffer.shape))
 
     return when_all([qparams_fut, quantized_fut], buffer.device).then(dequantize_and_average)
 
