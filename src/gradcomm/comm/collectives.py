@@ -4,7 +4,8 @@ Hooks call these instead of ``torch.distributed`` directly so that every byte a 
 collective is counted in one place, whatever DDP the hook is registered on: in this process's :data:`traffic`,
 and in the account of the DDP whose hook launched it (:func:`counting_into`; collectives launched later from a
 callback through :class:`~gradcomm.comm.launcher.OrderedLauncher` are counted where they were reserved). They
-are thin: each launches one ``torch.distributed`` collective with ``async_op=True`` and adapts its future.
+are thin: each launches one ``torch.distributed`` collective with ``async_op=True`` and adapts its future,
+except that a large all-gather on gloo goes as a few concurrent ones (:func:`all_gather_into_tensor`).
 
 ``group`` is a process group or ``None`` for the default (WORLD) group. Each call is counted with the size
 of its own group (:attr:`Traffic.bytes_by_group`), so :func:`group_wire_bytes` is right for collectives on
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from gradcomm.comm.futures import future_of
+from gradcomm.comm.futures import future_of, when_all
 
 __all__ = [
     "Traffic",
@@ -203,14 +204,53 @@ def all_gather(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch
     return future_of(work, outputs)
 
 
+GATHER_PART_BYTES = 1 << 20
+"""On gloo, an all-gather of more than this many bytes per rank is sent as several concurrent all-gathers of
+its parts (:func:`all_gather_into_tensor`), at most :data:`GATHER_PARTS`."""
+GATHER_PARTS = 4
+
+
 def all_gather_into_tensor(
     tensor: torch.Tensor, group: ProcessGroup | None = None
 ) -> torch.futures.Future[torch.Tensor]:
-    """Gather ``tensor`` from every rank into one tensor of ``world_size * numel`` elements, rank-major."""
+    """Gather ``tensor`` from every rank into one tensor of ``world_size * numel`` elements, rank-major.
+
+    On gloo, more than :data:`GATHER_PART_BYTES` per rank go as up to :data:`GATHER_PARTS` concurrent
+    all-gathers of consecutive parts, reassembled rank-major when all are in (one copy of the result): one
+    gloo all-gather moves its bytes as a single message per peer, and on 2 ranks behind shaped links it ran at
+    60-70% of the link's rate where its allreduce (which pipelines chunks) ran at 95%; two to four in flight
+    ran at 90-99% (``benchmarks/RESULTS.md``, "One all-gather, several messages"). It is counted as one
+    collective.
+    """
     _record("all_gather", group, tensor)
-    output = tensor.new_empty((group_size(group) * tensor.numel(),))
-    work = _all_gather_single(output, tensor.reshape(-1), group=group, async_op=True)
-    return future_of(work, output)
+    world_size = group_size(group)
+    flat = tensor.reshape(-1)
+    output = tensor.new_empty((world_size * flat.numel(),))
+    parts = _gather_parts(flat, group)
+    if parts == 1:
+        return future_of(_all_gather_single(output, flat, group=group, async_op=True), output)
+    chunks = flat.tensor_split(parts)
+    gathered = [chunk.new_empty((world_size * chunk.numel(),)) for chunk in chunks]
+    futures = [
+        future_of(_all_gather_single(out, chunk, group=group, async_op=True), out)
+        for out, chunk in zip(gathered, chunks, strict=True)
+    ]
+
+    def reassemble(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        rows = output.view(world_size, -1).split([chunk.numel() for chunk in chunks], dim=1)
+        for row_part, part in zip(rows, fut.value(), strict=True):
+            row_part.copy_(part.view(world_size, -1))
+        return output
+
+    return when_all(futures, output.device).then(reassemble)
+
+
+def _gather_parts(flat: torch.Tensor, group: ProcessGroup | None) -> int:
+    """How many concurrent all-gathers :func:`all_gather_into_tensor` sends ``flat`` as."""
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes <= GATHER_PART_BYTES or group_size(group) < 2 or dist.get_backend(group) != "gloo":
+        return 1
+    return min(GATHER_PARTS, -(-nbytes // GATHER_PART_BYTES))
 
 
 def reduce_scatter_tensor(
