@@ -217,10 +217,10 @@ def all_gather_into_tensor(
 
     On gloo, more than :data:`GATHER_PART_BYTES` per rank go as up to :data:`GATHER_PARTS` concurrent
     all-gathers of consecutive parts, reassembled rank-major when all are in (one copy of the result): one
-    gloo all-gather moves its bytes as a single message per peer, and on 2 ranks behind shaped links it ran at
-    60-70% of the link's rate where its allreduce (which pipelines chunks) ran at 95%; two to four in flight
-    ran at 90-99% (``benchmarks/RESULTS.md``, "One all-gather, several messages"). It is counted as one
-    collective.
+    gloo all-gather moves its bytes as a single message per peer. On 2 ranks behind shaped links, 1.65 and 6.6
+    MB per rank ran at 59-80% of the link's rate, where gloo's allreduce of the same bytes (which pipelines
+    chunks) ran at 92-99%; two to four in flight ran at 83-96% (``benchmarks/RESULTS.md``, "One all-gather,
+    several messages"). It is counted as one collective.
     """
     _record("all_gather", group, tensor)
     world_size = group_size(group)
