@@ -1,0 +1,86 @@
+"""One gloo all-gather against the same bytes as several concurrent all-gathers, and against an allreduce.
+
+Two gloo ranks, each in its own network namespace behind a link shaped to ``--bandwidth`` (root; see
+:mod:`gradcomm.testing.network`). For each size (bytes per rank) it times, median of ``--reps`` after a
+barrier: an allreduce of the tensor (a ring on two ranks puts the same bytes on each link as an all-gather),
+and ``torch.distributed.all_gather_into_tensor`` of the tensor sent whole or as 2, 4 and 8 concurrent parts.
+The "% of link" column is the link's time for the bytes each rank sends (``bytes * 8 / rate``) over the
+measured time. What :func:`gradcomm.comm.all_gather_into_tensor` does with large gathers rests on it.
+
+    sudo python benchmarks/bench_gather_parts.py --bandwidth 100mbit --sizes 0.43 1.65
+    sudo python benchmarks/bench_gather_parts.py --bandwidth 1gbit --sizes 0.23 1.65 6.6
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from gradcomm.testing import run_on_ranks
+from gradcomm.testing.network.parsing import parse_rate
+from gradcomm.testing.network.shaped import ShapedNetwork
+
+PARTS = (1, 2, 4, 8)
+
+
+def _gather_in_parts(tensor: torch.Tensor, parts: int) -> None:
+    chunks = tensor.tensor_split(parts)
+    works = [
+        dist.all_gather_into_tensor(chunk.new_empty(2 * chunk.numel()), chunk, async_op=True) for chunk in chunks
+    ]
+    for work in works:
+        work.wait()
+
+
+def _time_on_rank(numels: list[int], reps: int) -> dict[tuple[int, str], float]:
+    torch.set_num_threads(1)
+    seconds: dict[tuple[int, str], float] = {}
+    for numel in numels:
+        tensor = torch.randn(numel)
+        ways = {"allreduce": lambda tensor=tensor: dist.all_reduce(tensor)}
+        for parts in PARTS:
+            label = f"all-gather, {parts} part{'s' * (parts > 1)}"
+            ways[label] = lambda tensor=tensor, parts=parts: _gather_in_parts(tensor, parts)
+        for name, way in ways.items():
+            times = []
+            for _ in range(reps):
+                dist.barrier()
+                start = time.perf_counter()
+                way()
+                times.append(time.perf_counter() - start)
+            seconds[(numel, name)] = statistics.median(times)
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bandwidth", default="100mbit", help="each rank's link rate, e.g. 100mbit, 1gbit")
+    parser.add_argument("--sizes", type=float, nargs="+", default=[0.43, 1.65, 6.6], help="MB per rank")
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args(argv)
+    rate = parse_rate(args.bandwidth)
+    numels = [int(size * 1e6) // 4 for size in args.sizes]
+    with ShapedNetwork(2, rate) as network:
+        results = run_on_ranks(
+            _time_on_rank, 2, args=(numels, args.reps), namespaces=network.namespaces,
+            master_addr=network.master_addr, timeout=1800,
+        )
+    print("$ python benchmarks/bench_gather_parts.py " + shlex.join(sys.argv[1:] if argv is None else argv))
+    print(f"\n2 gloo ranks behind {args.bandwidth} links; median of {args.reps}, rank 0 (rank 1 in brackets)\n")
+    print("| MB per rank | collective | ms | % of link |")
+    print("|---|---|---|---|")
+    for (numel, name), seconds in results[0].items():
+        link = numel * 4 * 8 / rate
+        print(f"| {numel * 4 / 1e6:.2f} | {name} | {seconds * 1e3:.1f} ({results[1][(numel, name)] * 1e3:.1f}) | "
+              f"{100 * link / seconds:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
