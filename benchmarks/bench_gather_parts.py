@@ -3,7 +3,8 @@
 Two gloo ranks, each in its own network namespace behind a link shaped to ``--bandwidth`` (root; see
 :mod:`gradcomm.testing.network`). For each size (bytes per rank) it times, median of ``--reps`` after a
 barrier: an allreduce of the tensor (a ring on two ranks puts the same bytes on each link as an all-gather),
-and ``torch.distributed.all_gather_into_tensor`` of the tensor sent whole or as 2, 4 and 8 concurrent parts.
+``torch.distributed.all_gather_into_tensor`` of the tensor sent whole or as 2, 4 and 8 concurrent parts, and
+gradcomm's all-gather; then an all-to-all sending a chunk of the same size to the peer, torch's and gradcomm's.
 The "% of link" column is the link's time for the bytes each rank sends (``bytes * 8 / rate``) over the
 measured time. What :func:`gradcomm.comm.all_gather_into_tensor` does with large gathers rests on it.
 
@@ -22,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from gradcomm import comm
 from gradcomm.testing import run_on_ranks
 from gradcomm.testing.network.parsing import parse_rate
 from gradcomm.testing.network.shaped import ShapedNetwork
@@ -47,6 +49,10 @@ def _time_on_rank(numels: list[int], reps: int) -> dict[tuple[int, str], float]:
         for parts in PARTS:
             label = f"all-gather, {parts} part{'s' * (parts > 1)}"
             ways[label] = lambda tensor=tensor, parts=parts: _gather_in_parts(tensor, parts)
+        ways["gradcomm.comm.all_gather_into_tensor"] = lambda tensor=tensor: comm.all_gather_into_tensor(tensor).wait()
+        rows = torch.randn(2, numel)  # a chunk of the tensor's size for each rank
+        ways["all_to_all_single, whole"] = lambda rows=rows: dist.all_to_all_single(torch.empty_like(rows), rows)
+        ways["gradcomm.comm.all_to_all_single"] = lambda rows=rows: comm.all_to_all_single(rows).wait()
         for name, way in ways.items():
             times = []
             for _ in range(reps):

@@ -5,7 +5,7 @@ collective is counted in one place, whatever DDP the hook is registered on: in t
 and in the account of the DDP whose hook launched it (:func:`counting_into`; collectives launched later from a
 callback through :class:`~gradcomm.comm.launcher.OrderedLauncher` are counted where they were reserved). They
 are thin: each launches one ``torch.distributed`` collective with ``async_op=True`` and adapts its future,
-except that a large all-gather on gloo goes as a few concurrent ones (:func:`all_gather_into_tensor`).
+except that a large all-gather or all-to-all on gloo goes as a few concurrent ones (:func:`all_gather_into_tensor`).
 
 ``group`` is a process group or ``None`` for the default (WORLD) group. Each call is counted with the size
 of its own group (:attr:`Traffic.bytes_by_group`), so :func:`group_wire_bytes` is right for collectives on
@@ -205,8 +205,8 @@ def all_gather(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch
 
 
 GATHER_PART_BYTES = 1 << 20
-"""On gloo, an all-gather of more than this many bytes per rank is sent as several concurrent all-gathers of
-its parts (:func:`all_gather_into_tensor`), at most :data:`GATHER_PARTS`."""
+"""On gloo, an all-gather of more than this many bytes per rank (an all-to-all: per peer) is sent as several
+concurrent ones of its parts (:func:`all_gather_into_tensor`), at most :data:`GATHER_PARTS`."""
 GATHER_PARTS = 4
 
 
@@ -226,7 +226,7 @@ def all_gather_into_tensor(
     world_size = group_size(group)
     flat = tensor.reshape(-1)
     output = tensor.new_empty((world_size * flat.numel(),))
-    parts = _gather_parts(flat, group)
+    parts = _parts(flat, group)
     if parts == 1:
         return future_of(_all_gather_single(output, flat, group=group, async_op=True), output)
     chunks = flat.tensor_split(parts)
@@ -245,8 +245,9 @@ def all_gather_into_tensor(
     return when_all(futures, output.device).then(reassemble)
 
 
-def _gather_parts(flat: torch.Tensor, group: ProcessGroup | None) -> int:
-    """How many concurrent all-gathers :func:`all_gather_into_tensor` sends ``flat`` as."""
+def _parts(flat: torch.Tensor, group: ProcessGroup | None) -> int:
+    """In how many concurrent collectives :func:`all_gather_into_tensor` and :func:`all_to_all_single` send
+    ``flat``, what each rank sends to each peer."""
     nbytes = flat.numel() * flat.element_size()
     if nbytes <= GATHER_PART_BYTES or group_size(group) < 2 or dist.get_backend(group) != "gloo":
         return 1
@@ -271,7 +272,11 @@ def reduce_scatter_tensor(
 
 def all_to_all_single(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.futures.Future[torch.Tensor]:
     """Send chunk ``j`` of ``tensor`` (``world_size`` equal chunks along dim 0) to rank ``j``; the future holds
-    the chunks received, ordered by source rank, in a tensor shaped like ``tensor``."""
+    the chunks received, ordered by source rank, in a tensor shaped like ``tensor``.
+
+    On gloo, chunks of more than :data:`GATHER_PART_BYTES` go as concurrent all-to-alls of stretches of every
+    chunk, as :func:`all_gather_into_tensor` does and for the same reason (one 6.6 MB all-to-all took 1.0-1.1
+    s at 100 Mbit/s where an allreduce of the same bytes took 0.57 s); counted as one collective."""
     world_size = group_size(group)
     if tensor.shape[0] % world_size:
         raise ValueError(
@@ -280,8 +285,25 @@ def all_to_all_single(tensor: torch.Tensor, group: ProcessGroup | None = None) -
         )
     _record("all_to_all", group, tensor)
     output = torch.empty_like(tensor)
-    work = dist.all_to_all_single(output, tensor.contiguous(), group=group, async_op=True)
-    return future_of(work, output)
+    rows = tensor.reshape(world_size, -1)
+    parts = _parts(rows[0], group)
+    if parts == 1:
+        return future_of(dist.all_to_all_single(output, tensor.contiguous(), group=group, async_op=True), output)
+    # as all_gather_into_tensor: a large exchange as concurrent ones, each of a stretch of every rank's chunk
+    columns = [part.shape[1] for part in rows.tensor_split(parts, dim=1)]
+    sent = [part.contiguous() for part in rows.split(columns, dim=1)]
+    received = [torch.empty_like(part) for part in sent]
+    futures = [
+        future_of(dist.all_to_all_single(into, part, group=group, async_op=True), into)
+        for into, part in zip(received, sent, strict=True)
+    ]
+
+    def reassemble(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        for stretch, part in zip(output.view(world_size, -1).split(columns, dim=1), fut.value(), strict=True):
+            stretch.copy_(part)
+        return output
+
+    return when_all(futures, output.device).then(reassemble)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup | None = None) -> torch.futures.Future[torch.Tensor]:
