@@ -9,6 +9,9 @@ whole input.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,94 +34,83 @@ SIZES = [
 ]
 
 
-def _gathers_on_two_ranks() -> list[dict[str, object]]:
+@contextlib.contextmanager
+def _counting_launches(module: object, name: str) -> Iterator[list[int]]:
+    """While inside, ``module.name(output, input, ...)`` (a torch collective) records each input's numel."""
     launched: list[int] = []
-    single = collectives._all_gather_single
+    launch = getattr(module, name)
 
     def counting(output: torch.Tensor, tensor: torch.Tensor, **kwargs: object) -> object:
         launched.append(tensor.numel())
-        return single(output, tensor, **kwargs)
+        return launch(output, tensor, **kwargs)
 
-    collectives._all_gather_single = counting
-    rank = dist.get_rank()
-    results = []
+    setattr(module, name, counting)
     try:
-        for numel, dtype in SIZES:
-            generator = torch.Generator().manual_seed(1000 * rank + numel)
-            tensor = torch.randint(0, 100, (numel,), generator=generator).to(dtype)
-            expected = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-            dist.all_gather(expected, tensor)
-            launched.clear()
-            calls, nbytes = comm.traffic.calls.get("all_gather", 0), comm.traffic.bytes_sent.get("all_gather", 0)
-            gathered = comm.all_gather_into_tensor(tensor).wait()
-            results.append({
-                "size": (numel, str(dtype)),
-                "equal": gathered.dtype == dtype and torch.equal(gathered, torch.cat(expected)),
-                "parts": list(launched),
-                "calls": comm.traffic.calls["all_gather"] - calls,
-                "bytes": comm.traffic.bytes_sent["all_gather"] - nbytes,
-            })
+        yield launched
     finally:
-        collectives._all_gather_single = single
+        setattr(module, name, launch)
+
+
+def _expected_parts(nbytes: int) -> int:
+    return 1 if nbytes <= PART else min(collectives.GATHER_PARTS, -(-nbytes // PART))
+
+
+def _record(
+    kind: str, launched: list[int], run: Callable[[], bool], sent: torch.Tensor, nbytes: int
+) -> dict[str, object]:
+    """Run one collective through gradcomm (``run`` says whether its result is torch's); what it launched and
+    counted, and what was expected: ``sent`` in :func:`_expected_parts` parts of ``nbytes`` (per rank or per
+    peer), counted once with all of ``sent``'s bytes."""
+    launched.clear()
+    calls, counted = comm.traffic.calls.get(kind, 0), comm.traffic.bytes_sent.get(kind, 0)
+    equal = run()
+    return {
+        "equal": equal,
+        "parts": list(launched),
+        "expected": (_expected_parts(nbytes), sent.numel(), (1, sent.numel() * sent.element_size())),
+        "counted": (comm.traffic.calls[kind] - calls, comm.traffic.bytes_sent[kind] - counted),
+    }
+
+
+def _collectives_on_two_ranks() -> dict[str, dict[str, object]]:
+    rank, results = dist.get_rank(), {}
+    single_all_to_all = dist.all_to_all_single
+    for numel, dtype in SIZES:
+        size = torch.empty((), dtype=dtype).element_size()
+        generator = torch.Generator().manual_seed(1000 * rank + numel)
+        tensor = torch.randint(0, 100, (numel,), generator=generator).to(dtype)
+        expected = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(expected, tensor)
+        with _counting_launches(collectives, "_all_gather_single") as launched:
+            results[f"all-gather of {numel} x {dtype}"] = _record(
+                "all_gather", launched,
+                lambda tensor=tensor, expected=expected: torch.equal(
+                    comm.all_gather_into_tensor(tensor).wait(), torch.cat(expected)
+                ),
+                tensor, numel * size,
+            )
+        for shape in ((2 * numel,), (2, numel)):
+            rows = torch.randint(0, 100, shape, generator=generator).to(dtype)
+            exchanged = torch.empty_like(rows)
+            single_all_to_all(exchanged, rows)
+            with _counting_launches(dist, "all_to_all_single") as launched:
+                results[f"all-to-all of {shape} x {dtype}"] = _record(
+                    "all_to_all", launched,
+                    lambda rows=rows, exchanged=exchanged: torch.equal(comm.all_to_all_single(rows).wait(), exchanged),
+                    rows, numel * size,
+                )
     return results
 
 
 @pytest.mark.timeout(120)
-def test_a_large_all_gather_goes_in_parts_and_comes_back_whole():
-    for rank_results in run_on_ranks(_gathers_on_two_ranks, 2, timeout=100):
-        for (numel, dtype), result in zip(SIZES, rank_results, strict=True):
-            where = f"{numel} x {dtype}"
-            nbytes = numel * torch.empty((), dtype=dtype).element_size()
-            parts = 1 if nbytes <= PART else min(collectives.GATHER_PARTS, -(-nbytes // PART))
-            assert result["equal"], f"{where}: the gathered tensor is not torch's all-gather, rank-major"
-            assert len(result["parts"]) == parts and sum(result["parts"]) == numel, (
-                f"{where}: sent as parts of {result['parts']} elements, expected {parts} parts"
+def test_large_collectives_go_in_parts_and_come_back_whole():
+    """For each size: the result is torch's collective's, bit for bit (all-gather: rank-major); it went as the
+    expected number of parts covering every element; it was counted once, with the whole input's bytes."""
+    for results in run_on_ranks(_collectives_on_two_ranks, 2, timeout=100):
+        for where, result in results.items():
+            assert result["equal"], f"{where}: the result is not torch's collective's"
+            parts, (expected_parts, elements, counted) = result["parts"], result["expected"]
+            assert len(parts) == expected_parts and sum(parts) == elements, (
+                f"{where}: sent as parts of {parts} elements, expected {expected_parts} parts"
             )
-            assert result["calls"] == 1 and result["bytes"] == nbytes, f"{where}: counted {result}"
-
-
-def _exchanges_on_two_ranks() -> list[dict[str, object]]:
-    launched: list[int] = []
-    single = dist.all_to_all_single
-
-    def counting(output: torch.Tensor, tensor: torch.Tensor, **kwargs: object) -> object:
-        launched.append(tensor.numel())
-        return single(output, tensor, **kwargs)
-
-    dist.all_to_all_single = counting
-    rank = dist.get_rank()
-    results = []
-    try:
-        for numel, dtype in SIZES:
-            for shape in ((2 * numel,), (2, numel)):
-                generator = torch.Generator().manual_seed(1000 * rank + numel)
-                tensor = torch.randint(0, 100, shape, generator=generator).to(dtype)
-                expected = torch.empty_like(tensor)
-                single(expected, tensor)
-                launched.clear()
-                calls, nbytes = comm.traffic.calls.get("all_to_all", 0), comm.traffic.bytes_sent.get("all_to_all", 0)
-                exchanged = comm.all_to_all_single(tensor).wait()
-                results.append({
-                    "equal": exchanged.shape == shape and torch.equal(exchanged, expected),
-                    "parts": list(launched),
-                    "calls": comm.traffic.calls["all_to_all"] - calls,
-                    "bytes": comm.traffic.bytes_sent["all_to_all"] - nbytes,
-                })
-    finally:
-        dist.all_to_all_single = single
-    return results
-
-
-@pytest.mark.timeout(120)
-def test_a_large_all_to_all_goes_in_parts_and_comes_back_whole():
-    for rank_results in run_on_ranks(_exchanges_on_two_ranks, 2, timeout=100):
-        cases = [(numel, dtype, shape) for numel, dtype in SIZES for shape in ((2 * numel,), (2, numel))]
-        for (numel, dtype, shape), result in zip(cases, rank_results, strict=True):
-            where = f"{shape} x {dtype}"
-            per_peer = numel * torch.empty((), dtype=dtype).element_size()
-            parts = 1 if per_peer <= PART else min(collectives.GATHER_PARTS, -(-per_peer // PART))
-            assert result["equal"], f"{where}: the exchanged tensor is not torch's all_to_all_single's"
-            assert len(result["parts"]) == parts and sum(result["parts"]) == 2 * numel, (
-                f"{where}: sent as parts of {result['parts']} elements, expected {parts} parts"
-            )
-            assert result["calls"] == 1 and result["bytes"] == 2 * per_peer, f"{where}: counted {result}"
+            assert result["counted"] == counted, f"{where}: counted (calls, bytes) {result['counted']}, not {counted}"
