@@ -5,7 +5,8 @@ collective is counted in one place, whatever DDP the hook is registered on: in t
 and in the account of the DDP whose hook launched it (:func:`counting_into`; collectives launched later from a
 callback through :class:`~gradcomm.comm.launcher.OrderedLauncher` are counted where they were reserved). They
 are thin: each launches one ``torch.distributed`` collective with ``async_op=True`` and adapts its future,
-except that a large all-gather or all-to-all on gloo goes as a few concurrent ones (:func:`all_gather_into_tensor`).
+except that a large all-gather or all-to-all on gloo goes as a few concurrent ones
+(:func:`all_gather_into_tensor`).
 
 ``group`` is a process group or ``None`` for the default (WORLD) group. Each call is counted with the size
 of its own group (:attr:`Traffic.bytes_by_group`), so :func:`group_wire_bytes` is right for collectives on
