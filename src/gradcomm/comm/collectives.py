@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -231,19 +231,34 @@ def all_gather_into_tensor(
     if parts == 1:
         return future_of(_all_gather_single(output, flat, group=group, async_op=True), output)
     chunks = flat.tensor_split(parts)
-    gathered = [chunk.new_empty((world_size * chunk.numel(),)) for chunk in chunks]
-    futures = [
-        future_of(_all_gather_single(out, chunk, group=group, async_op=True), out)
-        for out, chunk in zip(gathered, chunks, strict=True)
-    ]
+    return _in_parts(
+        lambda into, part: _all_gather_single(into, part, group=group, async_op=True),
+        chunks,
+        [chunk.new_empty((world_size * chunk.numel(),)) for chunk in chunks],
+        output.view(world_size, -1),
+        output,
+    )
+
+
+def _in_parts(
+    launch: Callable[[torch.Tensor, torch.Tensor], dist.Work],
+    sent: Sequence[torch.Tensor],
+    received: Sequence[torch.Tensor],
+    rows: torch.Tensor,
+    result: torch.Tensor,
+) -> torch.futures.Future[torch.Tensor]:
+    """``launch(received[i], sent[i])`` for every part at once; when all are in, each part received (one row
+    per rank) goes into its columns of ``rows`` (a view of ``result``, one row per rank, the parts side by
+    side), and the future holds ``result``."""
+    futures = [future_of(launch(into, part), into) for into, part in zip(received, sent, strict=True)]
+    columns = [into.numel() // rows.shape[0] for into in received]
 
     def reassemble(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        rows = output.view(world_size, -1).split([chunk.numel() for chunk in chunks], dim=1)
-        for row_part, part in zip(rows, fut.value(), strict=True):
-            row_part.copy_(part.view(world_size, -1))
-        return output
+        for stretch, part in zip(rows.split(columns, dim=1), fut.value(), strict=True):
+            stretch.copy_(part.view(rows.shape[0], -1))
+        return result
 
-    return when_all(futures, output.device).then(reassemble)
+    return when_all(futures, result.device).then(reassemble)
 
 
 def _parts(flat: torch.Tensor, group: ProcessGroup | None) -> int:
@@ -290,21 +305,15 @@ def all_to_all_single(tensor: torch.Tensor, group: ProcessGroup | None = None) -
     parts = _parts(rows[0], group)
     if parts == 1:
         return future_of(dist.all_to_all_single(output, tensor.contiguous(), group=group, async_op=True), output)
-    # as all_gather_into_tensor: a large exchange as concurrent ones, each of a stretch of every rank's chunk
-    columns = [part.shape[1] for part in rows.tensor_split(parts, dim=1)]
-    sent = [part.contiguous() for part in rows.split(columns, dim=1)]
-    received = [torch.empty_like(part) for part in sent]
-    futures = [
-        future_of(dist.all_to_all_single(into, part, group=group, async_op=True), into)
-        for into, part in zip(received, sent, strict=True)
-    ]
-
-    def reassemble(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        for stretch, part in zip(output.view(world_size, -1).split(columns, dim=1), fut.value(), strict=True):
-            stretch.copy_(part)
-        return output
-
-    return when_all(futures, output.device).then(reassemble)
+    # each part a stretch of every rank's chunk, so that each rank still receives its own chunk's stretch
+    sent = [part.contiguous() for part in rows.tensor_split(parts, dim=1)]
+    return _in_parts(
+        lambda into, part: dist.all_to_all_single(into, part, group=group, async_op=True),
+        sent,
+        [torch.empty_like(part) for part in sent],
+        output.view(world_size, -1),
+        output,
+    )
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup | None = None) -> torch.futures.Future[torch.Tensor]:

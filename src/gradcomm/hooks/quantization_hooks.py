@@ -92,10 +92,10 @@ def _float32_channels(buffer: torch.Tensor, channel_size: int | None) -> torch.T
     """The bucket's values as float32 rows of ``channel_size`` (one row when ``None``), the last zero-padded:
     the bucket's buffer itself where it is float32 and needs no padding, else a new tensor."""
     flat = buffer.view(-1)
-    length = flat.numel() if channel_size is None else channel_size
-    padding = -flat.numel() % length if length else 0
+    length = channel_size or max(flat.numel(), 1)
+    padding = -flat.numel() % length
     if flat.dtype == torch.float32 and padding == 0:
-        return flat.view(-1, max(length, 1))
+        return flat.view(-1, length)
     channels = torch.empty(flat.numel() + padding, dtype=torch.float32, device=flat.device)
     channels[: flat.numel()].copy_(flat)
     channels[flat.numel() :].zero_()
