@@ -4,7 +4,8 @@ and never corrupt.
 One spawned group of two ranks runs every check that leaves the processes alive; each fault that breaks a
 process group (a hook raising on rank 1 only, a future failing on rank 1 only, a NaN on rank 1) runs on a
 fresh gloo subgroup with a 3-second timeout, so the rank left waiting fails within seconds and the next
-check starts on a healthy group. A second spawned group has a rank killed with SIGKILL. Messages are
+check starts on a healthy group. Two more spawned groups each have a rank killed with SIGKILL: during a plain
+allreduce, and right after it launched an all-gather that gloo carries as concurrent parts. Messages are
 collected in the ranks and asserted here, in the parent. No test bounds wall-clock time from above: that a
 rank failed through the timeout, or at once through a closed connection, is read from its error.
 """
@@ -28,8 +29,9 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 import gradcomm
+from gradcomm.comm import collectives
 from gradcomm.compression.registry import methods as compression_methods
-from gradcomm.hooks import default_hooks, powerSGD_hook
+from gradcomm.hooks import allgather_hooks, default_hooks, powerSGD_hook
 from gradcomm.hooks.grad_bucket import GradBucket
 from gradcomm.hooks.registry import hook_names, make_comm_hook
 from gradcomm.testing import RankError, run_on_ranks
@@ -42,6 +44,16 @@ FAULT_TIMEOUT = 3.0  # seconds: the timeout of the subgroup each fault runs on
 def _mlp(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _wide_mlp() -> nn.Module:
+    """Three 768 x 768 weights (2.4 MB each): with ``bucket_cap_mb_list=[2.5]`` every bucket is over gloo's
+    1 MiB all-gather threshold, so an all-gather of a bucket goes as concurrent parts."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 768), nn.ReLU(), nn.Linear(768, 768), nn.ReLU(), nn.Linear(768, 768), nn.ReLU(),
+        nn.Linear(768, 768), nn.ReLU(), nn.Linear(768, 4),
+    )
 
 
 def _bn_model() -> nn.Module:
@@ -118,6 +130,32 @@ def failing_future_on_rank_one_hook(group: Any, bucket: dist.GradBucket) -> torc
     return default_hooks.allreduce_hook(group, bucket).then(decode)
 
 
+def raise_on_rank_one_gather_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The all-gather hook, but rank 1 raises before gathering bucket 1: rank 0's parts have no partner."""
+    if dist.get_rank() == 1 and bucket.index() == 1:
+        raise KeyError("no gather buffer on rank 1")
+    return allgather_hooks.allgather_then_aggregate_hook(group, bucket)
+
+
+class _CountingGathers:
+    """Counts the gloo all-gathers :mod:`gradcomm.comm.collectives` launches (each part is one)."""
+
+    def __init__(self) -> None:
+        self.launched = 0
+        self._launch = collectives._all_gather_single
+
+    def __enter__(self) -> _CountingGathers:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.launched += 1
+            return self._launch(*args, **kwargs)
+
+        collectives._all_gather_single = counted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        collectives._all_gather_single = self._launch
+
+
 # -- the checks ------------------------------------------------------------------------------------------
 def _faults() -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -138,6 +176,15 @@ def _faults() -> dict[str, Any]:
         weight = ddp.module[2].weight
         weight.register_hook(lambda grad: grad.clone().fill_(math.nan) if ddp.synchronised_steps == 1 else grad)
     out["nan"] = _first_failure(ddp, 3)
+
+    # A bucket that goes as several concurrent all-gathers: rank 0's are left without a partner
+    group = _fault_group()
+    ddp = gradcomm.DistributedDataParallel(_wide_mlp(), process_group=group, bucket_cap_mb_list=[2.5])
+    ddp.register_comm_hook(group, raise_on_rank_one_gather_hook)
+    with _CountingGathers() as gathers:
+        out["gather_hook_raises"] = _first_failure(ddp, 3)
+    out["gather_hook_raises"]["buckets"] = ddp.reducer.bucket_count
+    out["gather_hook_raises"]["gathers_launched"] = gathers.launched
     return out
 
 
@@ -413,6 +460,30 @@ def test_future_failing_on_one_rank(ranks: list[dict[str, Any]]) -> None:
     assert zero["step"] == (1 if "rebuilding buckets" in zero["message"] else 0), zero
 
 
+@pytest.mark.timeout(180)
+def test_hook_raising_while_the_peer_gathers_in_parts(ranks: list[dict[str, Any]]) -> None:
+    zero, one = ranks[0]["faults"]["gather_hook_raises"], ranks[1]["faults"]["gather_hook_raises"]
+    assert one["buckets"] == 2, one
+    # rank 1 gathered bucket 0 in several parts and raised at bucket 1; rank 0 launched bucket 1's parts too
+    assert one["gathers_launched"] >= 2, one
+    assert zero["gathers_launched"] >= one["gathers_launched"] + 2, (zero, one)
+    assert re.match(
+        r"CommHookError: Communication hook raise_on_rank_one_gather_hook raised on bucket 1 \(\d+ elements\): "
+        r"KeyError: 'no gather buffer on rank 1' \(rank 1, step 0\)",
+        one["message"],
+    ), one["message"]
+    # bucket 0's parts all matched (the error is at bucket 1); bucket 1's found no partner and timed out (a
+    # part still waiting when the first timed out reports gloo's "Application timeout caused pair closure")
+    assert re.match(
+        r"(?s)PeerLostError: rank 0 lost contact with its peers during step 0, bucket 1 \(hook: "
+        r"raise_on_rank_one_gather_hook\): RuntimeError: .*(Timed out|Application timeout caused pair closure)"
+        r".*the process group's timeout \(3 s\)",
+        zero["message"],
+    ), zero["message"]
+    for side in (zero, one):
+        assert "an earlier synchronised step failed on this rank" in side["next_forward"], side["next_forward"]
+
+
 # -- non-finite gradients ---------------------------------------------------------------------------------
 @pytest.mark.timeout(180)
 def test_nan_gradient_is_caught_before_it_is_sent(ranks: list[dict[str, Any]]) -> None:
@@ -522,12 +593,33 @@ def test_parameter_drift_is_detected(ranks: list[dict[str, Any]]) -> None:
 
 
 # -- a rank killed with SIGKILL ----------------------------------------------------------------------------
-def killed_mid_training(kill_at: int) -> int:
+def killed_mid_training(kill_at: int = 3) -> int:
     ddp = gradcomm.DistributedDataParallel(_mlp(), bucket_cap_mb=0.001)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for step in range(kill_at + 100):
         if step == kill_at and dist.get_rank() == 1:
             os.kill(os.getpid(), signal.SIGKILL)
+        _train_step(ddp, step, optimizer)
+    return ddp.synchronised_steps
+
+
+def kill_after_launching_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The all-gather hook, but rank 1 dies right after launching the parts of step 2's bucket 1."""
+    kill_after_launching_hook.step += bucket.index() == 0  # type: ignore[attr-defined]
+    future = allgather_hooks.allgather_then_aggregate_hook(group, bucket)
+    if dist.get_rank() == 1 and bucket.index() == 1 and kill_after_launching_hook.step == 2:  # type: ignore[attr-defined]
+        os.kill(os.getpid(), signal.SIGKILL)
+    return future
+
+
+kill_after_launching_hook.step = -1  # type: ignore[attr-defined]
+
+
+def killed_mid_gather() -> int:
+    ddp = gradcomm.DistributedDataParallel(_wide_mlp(), bucket_cap_mb_list=[2.5])
+    ddp.register_comm_hook(None, kill_after_launching_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    for step in range(100):
         _train_step(ddp, step, optimizer)
     return ddp.synchronised_steps
 
@@ -549,16 +641,28 @@ def _rank_processes() -> set[int]:
     return found
 
 
+KILLED = {
+    # how the rank is killed: (the function its ranks run, what rank 0's error must say)
+    "during_allreduce": (
+        killed_mid_training,
+        r"step 3, bucket 0 \(hook: default allreduce \(no hook registered\)\)",
+    ),
+    "after_launching_gather_parts": (killed_mid_gather, r"step 2, bucket [01] \(hook: kill_after_launching_hook\)"),
+}
+
+
 @pytest.mark.timeout(120)
-def test_killed_rank_fails_the_others_quickly_and_leaves_no_process() -> None:
+@pytest.mark.parametrize("case", list(KILLED))
+def test_killed_rank_fails_the_others_quickly_and_leaves_no_process(case: str) -> None:
+    ranks_run, where = KILLED[case]
     before = _rank_processes()
     with pytest.raises(RankError) as caught:
-        run_on_ranks(killed_mid_training, 2, args=(3,), timeout=90, collective_timeout=10)
+        run_on_ranks(ranks_run, 2, timeout=90, collective_timeout=10)
     message = str(caught.value)
     assert caught.value.rank == 1 and "rank 1 of 2 exited with code -9" in message, message
     assert re.search(
-        r"rank 0: PeerLostError: rank 0 lost contact with its peers during step 3, bucket 0 \(hook: default "
-        r"allreduce \(no hook registered\)\): RuntimeError: .*Connection (closed|reset) by peer",
+        rf"rank 0: PeerLostError: rank 0 lost contact with its peers during {where}: RuntimeError: "
+        r".*Connection (closed|reset) by peer",
         message,
     ), message
     time.sleep(0.5)
