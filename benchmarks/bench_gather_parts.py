@@ -6,10 +6,17 @@ barrier: an allreduce of the tensor (a ring on two ranks puts the same bytes on 
 ``torch.distributed.all_gather_into_tensor`` of the tensor sent whole or as 2, 4 and 8 concurrent parts, and
 gradcomm's all-gather; then an all-to-all sending a chunk of the same size to the peer, torch's and gradcomm's.
 The "% of link" column is the link's time for the bytes each rank sends (``bytes * 8 / rate``) over the
-measured time. What :func:`gradcomm.comm.all_gather_into_tensor` does with large gathers rests on it.
+slower rank's time. What :func:`gradcomm.comm.all_gather_into_tensor` does with large gathers rests on it.
+
+``--late-ms D``: rank 1 starts each collective ``D`` ms after rank 0 (in training the ranks never reach a
+collective together), and each rank's time is counted from rank 1's start. gloo's all-gather and all-to-all
+post each send before the matching receive, and a send waits until the peer has posted its receive: the
+later rank's "ready to receive" then leaves behind its own data, and its peer starts sending only after that.
 
     sudo python benchmarks/bench_gather_parts.py --bandwidth 100mbit --sizes 0.43 1.65
     sudo python benchmarks/bench_gather_parts.py --bandwidth 1gbit --sizes 0.23 1.65 6.6
+    sudo python benchmarks/bench_gather_parts.py --bandwidth 100mbit --sizes 0.066 0.35 --late-ms 20
+    python benchmarks/bench_gather_parts.py --bandwidth none --sizes 0.35 1.65
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ def _gather_in_parts(tensor: torch.Tensor, parts: int) -> None:
         work.wait()
 
 
-def _time_on_rank(numels: list[int], reps: int) -> dict[tuple[int, str], float]:
+def _time_on_rank(numels: list[int], reps: int, late_s: float) -> dict[tuple[int, str], float]:
     torch.set_num_threads(1)
     seconds: dict[tuple[int, str], float] = {}
     for numel in numels:
@@ -58,6 +65,9 @@ def _time_on_rank(numels: list[int], reps: int) -> dict[tuple[int, str], float]:
             for _ in range(reps):
                 dist.barrier()
                 start = time.perf_counter()
+                if dist.get_rank() == 1:
+                    time.sleep(late_s)
+                start += late_s
                 way()
                 times.append(time.perf_counter() - start)
             seconds[(numel, name)] = statistics.median(times)
@@ -66,25 +76,35 @@ def _time_on_rank(numels: list[int], reps: int) -> dict[tuple[int, str], float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bandwidth", default="100mbit", help="each rank's link rate, e.g. 100mbit, 1gbit")
+    parser.add_argument(
+        "--bandwidth", default="100mbit", help="each rank's link rate, e.g. 100mbit, 1gbit; 'none': the loopback"
+    )
     parser.add_argument("--sizes", type=float, nargs="+", default=[0.43, 1.65, 6.6], help="MB per rank")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--late-ms", type=float, default=0.0, help="rank 1 starts each collective this much later")
     args = parser.parse_args(argv)
-    rate = parse_rate(args.bandwidth)
     numels = [int(size * 1e6) // 4 for size in args.sizes]
-    with ShapedNetwork(2, rate) as network:
-        results = run_on_ranks(
-            _time_on_rank, 2, args=(numels, args.reps), namespaces=network.namespaces,
-            master_addr=network.master_addr, timeout=1800,
-        )
+    timing = (numels, args.reps, args.late_ms / 1e3)
+    if args.bandwidth == "none":
+        rate = None
+        results = run_on_ranks(_time_on_rank, 2, args=timing, timeout=1800)
+    else:
+        rate = parse_rate(args.bandwidth)
+        with ShapedNetwork(2, rate) as network:
+            results = run_on_ranks(
+                _time_on_rank, 2, args=timing, namespaces=network.namespaces, master_addr=network.master_addr,
+                timeout=1800,
+            )
     print("$ python benchmarks/bench_gather_parts.py " + shlex.join(sys.argv[1:] if argv is None else argv))
-    print(f"\n2 gloo ranks behind {args.bandwidth} links; median of {args.reps}, rank 0 (rank 1 in brackets)\n")
+    late = f", rank 1 {args.late_ms:g} ms late (times from its start)" if args.late_ms else ""
+    where = "on the loopback" if rate is None else f"behind {args.bandwidth} links"
+    print(f"\n2 gloo ranks {where}{late}; median of {args.reps}, rank 0 (rank 1 in brackets)\n")
     print("| MB per rank | collective | ms | % of link |")
     print("|---|---|---|---|")
     for (numel, name), seconds in results[0].items():
-        link = numel * 4 * 8 / rate
-        print(f"| {numel * 4 / 1e6:.2f} | {name} | {seconds * 1e3:.1f} ({results[1][(numel, name)] * 1e3:.1f}) | "
-              f"{100 * link / seconds:.0f} |")
+        other = results[1][(numel, name)]
+        share = "" if rate is None else f"{100 * (numel * 4 * 8 / rate) / max(seconds, other):.0f}"
+        print(f"| {numel * 4 / 1e6:.2f} | {name} | {seconds * 1e3:.1f} ({other * 1e3:.1f}) | {share} |")
     return 0
 
 

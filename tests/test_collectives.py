@@ -1,15 +1,16 @@
 """gradcomm.comm's all-gather and all-to-all on 2 gloo ranks: large ones go as concurrent parts and come back
 whole.
 
-A gloo all-gather of more than ``GATHER_PART_BYTES`` per rank (an all-to-all: per peer) is sent as up to
-``GATHER_PARTS`` concurrent ones (see :func:`gradcomm.comm.collectives.all_gather_into_tensor`); what a hook
-receives must not show it: the same tensor as torch's collective gives, counted as one collective of the
-whole input.
+A gloo all-gather of at least twice ``GATHER_PART_BYTES`` per rank (an all-to-all: per peer) is sent as up to
+``GATHER_PARTS`` concurrent ones, each at least ``GATHER_PART_BYTES`` (see
+:func:`gradcomm.comm.collectives.all_gather_into_tensor`); what a hook receives must not show it: the same
+tensor as torch's collective gives, counted as one collective of the whole input.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -21,53 +22,54 @@ from gradcomm.comm import collectives
 from gradcomm.testing import run_on_ranks
 
 PART = collectives.GATHER_PART_BYTES
-# (elements, dtype): empty, one element, at the threshold, one element over it, several parts, more than the
-# most parts of the threshold's size, and an odd length of 2-byte elements that does not split evenly
+# (elements, dtype, parts expected): empty, one element, one element short of two parts, two parts, three
+# parts of odd length, an odd length of 2-byte elements in four parts, and more than the most parts
 SIZES = [
-    (0, torch.float32),
-    (1, torch.float32),
-    (PART // 4, torch.float32),
-    (PART // 4 + 1, torch.float32),
-    (3 * PART + 5, torch.uint8),
-    (6 * PART // 4 + 3, torch.float32),
-    (PART + 1, torch.float16),
+    (0, torch.float32, 1),
+    (1, torch.float32, 1),
+    (2 * PART // 4 - 1, torch.float32, 1),
+    (2 * PART // 4, torch.float32, 2),
+    (3 * PART + 5, torch.uint8, 3),
+    (2 * PART + 1, torch.float16, 4),
+    (9 * PART // 4 + 3, torch.float32, collectives.GATHER_PARTS),
 ]
 
 
 @contextlib.contextmanager
-def _counting_launches(module: object, name: str) -> Iterator[list[int]]:
-    """While inside, ``module.name(output, input, ...)`` (a torch collective) records each input's numel."""
+def _counting_launches(*launchers: tuple[object, str]) -> Iterator[list[int]]:
+    """While inside, each ``module.name(output, input, ...)`` (a torch collective; ``input`` a tensor or a list
+    of them) records the number of elements it was given to send."""
     launched: list[int] = []
-    launch = getattr(module, name)
+    originals = [(module, name, getattr(module, name)) for module, name in launchers]
 
-    def counting(output: torch.Tensor, tensor: torch.Tensor, **kwargs: object) -> object:
-        launched.append(tensor.numel())
-        return launch(output, tensor, **kwargs)
+    def counting(launch: Callable[..., object]) -> Callable[..., object]:
+        def counted(output: object, sent: torch.Tensor | list[torch.Tensor], **kwargs: object) -> object:
+            launched.append(sum(t.numel() for t in sent) if isinstance(sent, list) else sent.numel())
+            return launch(output, sent, **kwargs)
 
-    setattr(module, name, counting)
+        return counted
+
+    for module, name, launch in originals:
+        setattr(module, name, counting(launch))
     try:
         yield launched
     finally:
-        setattr(module, name, launch)
-
-
-def _expected_parts(nbytes: int) -> int:
-    return 1 if nbytes <= PART else min(collectives.GATHER_PARTS, -(-nbytes // PART))
+        for module, name, launch in originals:
+            setattr(module, name, launch)
 
 
 def _record(
-    kind: str, launched: list[int], run: Callable[[], bool], sent: torch.Tensor, nbytes: int
+    kind: str, launched: list[int], run: Callable[[], bool], sent: torch.Tensor, parts: int
 ) -> dict[str, object]:
     """Run one collective through gradcomm (``run`` says whether its result is torch's); what it launched and
-    counted, and what was expected: ``sent`` in :func:`_expected_parts` parts of ``nbytes`` (per rank or per
-    peer), counted once with all of ``sent``'s bytes."""
+    counted, and what was expected: ``sent`` in ``parts`` parts, counted once with all of ``sent``'s bytes."""
     launched.clear()
     calls, counted = comm.traffic.calls.get(kind, 0), comm.traffic.bytes_sent.get(kind, 0)
     equal = run()
     return {
         "equal": equal,
         "parts": list(launched),
-        "expected": (_expected_parts(nbytes), sent.numel(), (1, sent.numel() * sent.element_size())),
+        "expected": (parts, sent.numel(), (1, sent.numel() * sent.element_size())),
         "counted": (comm.traffic.calls[kind] - calls, comm.traffic.bytes_sent[kind] - counted),
     }
 
@@ -75,42 +77,84 @@ def _record(
 def _collectives_on_two_ranks() -> dict[str, dict[str, object]]:
     rank, results = dist.get_rank(), {}
     single_all_to_all = dist.all_to_all_single
-    for numel, dtype in SIZES:
-        size = torch.empty((), dtype=dtype).element_size()
+    for numel, dtype, parts in SIZES:
         generator = torch.Generator().manual_seed(1000 * rank + numel)
         tensor = torch.randint(0, 100, (numel,), generator=generator).to(dtype)
         expected = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
         dist.all_gather(expected, tensor)
-        with _counting_launches(collectives, "_all_gather_single") as launched:
+        with _counting_launches((collectives, "_all_gather_single"), (dist, "all_gather")) as launched:
             results[f"all-gather of {numel} x {dtype}"] = _record(
                 "all_gather", launched,
                 lambda tensor=tensor, expected=expected: torch.equal(
                     comm.all_gather_into_tensor(tensor).wait(), torch.cat(expected)
                 ),
-                tensor, numel * size,
+                tensor, parts,
             )
         for shape in ((2 * numel,), (2, numel)):
             rows = torch.randint(0, 100, shape, generator=generator).to(dtype)
             exchanged = torch.empty_like(rows)
             single_all_to_all(exchanged, rows)
-            with _counting_launches(dist, "all_to_all_single") as launched:
+            with _counting_launches((dist, "all_to_all_single"), (dist, "all_to_all")) as launched:
                 results[f"all-to-all of {shape} x {dtype}"] = _record(
                     "all_to_all", launched,
                     lambda rows=rows, exchanged=exchanged: torch.equal(comm.all_to_all_single(rows).wait(), exchanged),
-                    rows, numel * size,
+                    rows, parts,
                 )
     return results
 
 
+UNMATCHED_TIMEOUT = 2.0  # seconds: the timeout of the group on which rank 0 alone launches a collective
+
+
+def _unmatched_on_rank_zero() -> dict[str, str]:
+    """Rank 0 alone launches an all-gather and an all-to-all sent in parts; how each of its futures ended."""
+    outcomes = {}
+    launches = {
+        "all-gather": lambda group: comm.all_gather_into_tensor(torch.ones(4 * PART // 4), group),
+        "all-to-all": lambda group: comm.all_to_all_single(torch.ones(2, 4 * PART // 4), group),
+    }
+    for kind, launch in launches.items():
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=UNMATCHED_TIMEOUT))
+        if dist.get_rank() == 0:
+            try:
+                value = launch(group).wait()
+                outcomes[kind] = f"completed: {value.numel()} elements"
+            except RuntimeError as exc:
+                outcomes[kind] = f"failed: {exc}"
+        dist.barrier()
+    return outcomes
+
+
+def _on_two_ranks() -> dict[str, object]:
+    return {"sizes": _collectives_on_two_ranks(), "unmatched": _unmatched_on_rank_zero()}
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, object]]:
+    return run_on_ranks(_on_two_ranks, 2, timeout=100)
+
+
 @pytest.mark.timeout(120)
-def test_large_collectives_go_in_parts_and_come_back_whole():
+def test_large_collectives_go_in_parts_and_come_back_whole(ranks: list[dict[str, object]]) -> None:
     """For each size: the result is torch's collective's, bit for bit (all-gather: rank-major); it went as the
     expected number of parts covering every element; it was counted once, with the whole input's bytes."""
-    for results in run_on_ranks(_collectives_on_two_ranks, 2, timeout=100):
-        for where, result in results.items():
+    for rank in ranks:
+        for where, result in rank["sizes"].items():
             assert result["equal"], f"{where}: the result is not torch's collective's"
             parts, (expected_parts, elements, counted) = result["parts"], result["expected"]
             assert len(parts) == expected_parts and sum(parts) == elements, (
                 f"{where}: sent as parts of {parts} elements, expected {expected_parts} parts"
             )
             assert result["counted"] == counted, f"{where}: counted (calls, bytes) {result['counted']}, not {counted}"
+
+
+@pytest.mark.timeout(120)
+def test_a_part_that_times_out_fails_the_whole_collective(ranks: list[dict[str, object]]) -> None:
+    """Rank 0's parts find no partner: the future fails with gloo's timeout (a part still waiting when the
+    first timed out reports "Application timeout caused pair closure"), rather than completing with a result
+    nothing was written into."""
+    outcomes = ranks[0]["unmatched"]
+    assert set(outcomes) == {"all-gather", "all-to-all"}, outcomes
+    for kind, outcome in outcomes.items():
+        assert outcome.startswith("failed: "), f"{kind}: {outcome}"
+        assert "Timed out" in outcome or "Application timeout caused pair closure" in outcome, f"{kind}: {outcome}"

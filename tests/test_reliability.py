@@ -142,18 +142,24 @@ class _CountingGathers:
 
     def __init__(self) -> None:
         self.launched = 0
-        self._launch = collectives._all_gather_single
+        self._launches = [(collectives, "_all_gather_single"), (dist, "all_gather")]
+        self._originals = [getattr(module, name) for module, name in self._launches]
 
     def __enter__(self) -> _CountingGathers:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.launched += 1
-            return self._launch(*args, **kwargs)
+        def counting(launch: Any) -> Any:
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                self.launched += 1
+                return launch(*args, **kwargs)
 
-        collectives._all_gather_single = counted
+            return counted
+
+        for (module, name), launch in zip(self._launches, self._originals, strict=True):
+            setattr(module, name, counting(launch))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        collectives._all_gather_single = self._launch
+        for (module, name), launch in zip(self._launches, self._originals, strict=True):
+            setattr(module, name, launch)
 
 
 # -- the checks ------------------------------------------------------------------------------------------

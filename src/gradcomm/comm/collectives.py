@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -205,9 +205,10 @@ def all_gather(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch
     return future_of(work, outputs)
 
 
-GATHER_PART_BYTES = 1 << 20
-"""On gloo, an all-gather of more than this many bytes per rank (an all-to-all: per peer) is sent as several
-concurrent ones of its parts (:func:`all_gather_into_tensor`), at most :data:`GATHER_PARTS`."""
+GATHER_PART_BYTES = 128 << 10
+"""On gloo, an all-gather of at least twice this many bytes per rank (an all-to-all: per peer) is sent as
+several concurrent ones of its parts, each at least this large and at most :data:`GATHER_PARTS` of them
+(:func:`all_gather_into_tensor`)."""
 GATHER_PARTS = 4
 
 
@@ -216,12 +217,16 @@ def all_gather_into_tensor(
 ) -> torch.futures.Future[torch.Tensor]:
     """Gather ``tensor`` from every rank into one tensor of ``world_size * numel`` elements, rank-major.
 
-    On gloo, more than :data:`GATHER_PART_BYTES` per rank go as up to :data:`GATHER_PARTS` concurrent
-    all-gathers of consecutive parts, reassembled rank-major when all are in (one copy of the result): one
-    gloo all-gather moves its bytes as a single message per peer. On 2 ranks behind shaped links, 1.65 and 6.6
-    MB per rank ran at 59-80% of the link's rate, where gloo's allreduce of the same bytes (which pipelines
-    chunks) ran at 92-99%; two to four in flight ran at 83-96% (``benchmarks/RESULTS.md``, "One all-gather,
-    several messages"). It is counted as one collective.
+    On gloo, twice :data:`GATHER_PART_BYTES` or more per rank go as up to :data:`GATHER_PARTS` concurrent
+    all-gathers of consecutive parts, each received straight into its place in the result. gloo's
+    all-gather posts each send before the matching receive, and a send waits until the peer has posted its
+    receive. The rank that reaches the collective later therefore sends its "ready to receive" behind half of
+    its own data, and only then does its peer start sending to it: that rank takes about 1.5x the link time of
+    the bytes, where an allreduce of the same bytes (whose segments are small, each receive posted before its
+    send) takes 1.0x. In parts, the data ahead of that message is a part's. On 2 ranks behind shaped links,
+    the later rank by 5-20 ms: 0.35-1.65 MB per rank took 1.39-1.50x the earlier rank's time in one message,
+    1.04-1.11x in 4 to 8 parts (``benchmarks/RESULTS.md``, "The later rank's all-gather"). Parts smaller
+    than about 128 KiB cost more in per-collective overhead than they save. Counted as one collective.
     """
     _record("all_gather", group, tensor)
     world_size = group_size(group)
@@ -230,44 +235,40 @@ def all_gather_into_tensor(
     parts = _parts(flat, group)
     if parts == 1:
         return future_of(_all_gather_single(output, flat, group=group, async_op=True), output)
-    chunks = flat.tensor_split(parts)
-    return _in_parts(
-        lambda into, part: _all_gather_single(into, part, group=group, async_op=True),
-        chunks,
-        [chunk.new_empty((world_size * chunk.numel(),)) for chunk in chunks],
-        output.view(world_size, -1),
+    received = _stretches(output.view(world_size, -1), parts)
+    return _when_all_done(
+        [
+            dist.all_gather(into, chunk, group=group, async_op=True)
+            for into, chunk in zip(received, flat.tensor_split(parts), strict=True)
+        ],
         output,
     )
 
 
-def _in_parts(
-    launch: Callable[[torch.Tensor, torch.Tensor], dist.Work],
-    sent: Sequence[torch.Tensor],
-    received: Sequence[torch.Tensor],
-    rows: torch.Tensor,
-    result: torch.Tensor,
-) -> torch.futures.Future[torch.Tensor]:
-    """``launch(received[i], sent[i])`` for every part at once; when all are in, each part received (one row
-    per rank) goes into its columns of ``rows`` (a view of ``result``, one row per rank, the parts side by
-    side), and the future holds ``result``."""
-    futures = [future_of(launch(into, part), into) for into, part in zip(received, sent, strict=True)]
-    columns = [into.numel() // rows.shape[0] for into in received]
+def _stretches(rows: torch.Tensor, parts: int) -> list[list[torch.Tensor]]:
+    """``rows`` (one row per rank) cut into ``parts`` stretches of columns: for each stretch, its piece of every
+    row. Each piece is a contiguous view, so a list collective reads or writes ``rows`` in place: gloo copies
+    between them and its own buffer on its worker thread, and nothing is reassembled here."""
+    return [list(stretch.unbind(0)) for stretch in rows.tensor_split(parts, dim=1)]
 
-    def reassemble(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        for stretch, part in zip(rows.split(columns, dim=1), fut.value(), strict=True):
-            stretch.copy_(part.view(rows.shape[0], -1))
+
+def _when_all_done(works: Sequence[dist.Work], result: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """A future holding ``result`` once every one of ``works`` is done; it fails with the first that fails."""
+
+    def done(all_done: torch.futures.Future[list[None]]) -> torch.Tensor:
+        all_done.value()  # re-raises the failure: a part that timed out must not pass for a gathered one
         return result
 
-    return when_all(futures, result.device).then(reassemble)
+    return when_all([future_of(work, None) for work in works], result.device).then(done)
 
 
 def _parts(flat: torch.Tensor, group: ProcessGroup | None) -> int:
     """In how many concurrent collectives :func:`all_gather_into_tensor` and :func:`all_to_all_single` send
     ``flat``, what each rank sends to each peer."""
-    nbytes = flat.numel() * flat.element_size()
-    if nbytes <= GATHER_PART_BYTES or group_size(group) < 2 or dist.get_backend(group) != "gloo":
+    if group_size(group) < 2 or dist.get_backend(group) != "gloo":
         return 1
-    return min(GATHER_PARTS, -(-nbytes // GATHER_PART_BYTES))
+    nbytes = flat.numel() * flat.element_size()
+    return max(1, min(GATHER_PARTS, nbytes // GATHER_PART_BYTES))
 
 
 def reduce_scatter_tensor(
@@ -290,9 +291,11 @@ def all_to_all_single(tensor: torch.Tensor, group: ProcessGroup | None = None) -
     """Send chunk ``j`` of ``tensor`` (``world_size`` equal chunks along dim 0) to rank ``j``; the future holds
     the chunks received, ordered by source rank, in a tensor shaped like ``tensor``.
 
-    On gloo, chunks of more than :data:`GATHER_PART_BYTES` go as concurrent all-to-alls of stretches of every
-    chunk, as :func:`all_gather_into_tensor` does and for the same reason (one 6.6 MB all-to-all took 1.0-1.1
-    s at 100 Mbit/s where an allreduce of the same bytes took 0.57 s); counted as one collective."""
+    On gloo, chunks of twice :data:`GATHER_PART_BYTES` or more go as concurrent all-to-alls of stretches of
+    every chunk, as :func:`all_gather_into_tensor` does and for the same reason, only more so: gloo's
+    all-to-all sends a whole chunk before posting the matching receive, so the later rank's "ready to receive"
+    waits behind all of its data (2 ranks, 0.17-1.65 MB per peer at 100 Mbit/s, the later rank 20 ms late:
+    1.9-2.0x the earlier rank's time). Counted as one collective."""
     world_size = group_size(group)
     if tensor.shape[0] % world_size:
         raise ValueError(
@@ -300,18 +303,19 @@ def all_to_all_single(tensor: torch.Tensor, group: ProcessGroup | None = None) -
             "chunks; pad it to a multiple of the world size"
         )
     _record("all_to_all", group, tensor)
-    output = torch.empty_like(tensor)
-    rows = tensor.reshape(world_size, -1)
+    source = tensor.contiguous()
+    output = torch.empty_like(source)
+    rows = source.view(world_size, -1)
     parts = _parts(rows[0], group)
     if parts == 1:
-        return future_of(dist.all_to_all_single(output, tensor.contiguous(), group=group, async_op=True), output)
+        return future_of(dist.all_to_all_single(output, source, group=group, async_op=True), output)
     # each part a stretch of every rank's chunk, so that each rank still receives its own chunk's stretch
-    sent = [part.contiguous() for part in rows.tensor_split(parts, dim=1)]
-    return _in_parts(
-        lambda into, part: dist.all_to_all_single(into, part, group=group, async_op=True),
-        sent,
-        [torch.empty_like(part) for part in sent],
-        output.view(world_size, -1),
+    received = _stretches(output.view(world_size, -1), parts)
+    return _when_all_done(
+        [
+            dist.all_to_all(into, sent, group=group, async_op=True)
+            for into, sent in zip(received, _stretches(rows, parts), strict=True)
+        ],
         output,
     )
 
