@@ -223,9 +223,9 @@ def all_gather_into_tensor(
     receive. The rank that reaches the collective later therefore sends its "ready to receive" behind half of
     its own data, and only then does its peer start sending to it: that rank takes about 1.5x the link time of
     the bytes, where an allreduce of the same bytes (whose segments are small, each receive posted before its
-    send) takes 1.0x. In parts, the data ahead of that message is a part's. On 2 ranks behind shaped links,
-    the later rank by 5-20 ms: 0.35-1.65 MB per rank took 1.39-1.50x the earlier rank's time in one message,
-    1.04-1.11x in 4 to 8 parts (``benchmarks/RESULTS.md``, "The later rank's all-gather"). Parts smaller
+    send) takes 1.0x. In parts, the data ahead of that message is a part's. On 2 ranks behind 100 Mbit/s links,
+    the later rank 20 ms late: 0.35-1.65 MB per rank took it 1.44-1.47x the earlier rank's time in one
+    message, 1.06-1.11x in 4 parts (``benchmarks/RESULTS.md``, "The later rank's all-gather"). Parts smaller
     than about 128 KiB cost more in per-collective overhead than they save. Counted as one collective.
     """
     _record("all_gather", group, tensor)
@@ -295,7 +295,7 @@ def all_to_all_single(tensor: torch.Tensor, group: ProcessGroup | None = None) -
     every chunk, as :func:`all_gather_into_tensor` does and for the same reason, only more so: gloo's
     all-to-all sends a whole chunk before posting the matching receive, so the later rank's "ready to receive"
     waits behind all of its data (2 ranks, 0.17-1.65 MB per peer at 100 Mbit/s, the later rank 20 ms late:
-    1.9-2.0x the earlier rank's time). Counted as one collective."""
+    1.5-2.0x the earlier rank's time). Counted as one collective."""
     world_size = group_size(group)
     if tensor.shape[0] % world_size:
         raise ValueError(
