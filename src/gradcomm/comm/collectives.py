@@ -264,8 +264,9 @@ def _when_all_done(works: Sequence[dist.Work], result: torch.Tensor) -> torch.fu
 
 def _parts(flat: torch.Tensor, group: ProcessGroup | None) -> int:
     """In how many concurrent collectives :func:`all_gather_into_tensor` and :func:`all_to_all_single` send
-    ``flat``, what each rank sends to each peer."""
-    if group_size(group) < 2 or dist.get_backend(group) != "gloo":
+    ``flat``, what each rank sends to each peer. Only CPU tensors on gloo go in parts: gloo's list all-to-all
+    takes CPU tensors only, and NCCL's collectives do not have gloo's ordering of sends and receives."""
+    if group_size(group) < 2 or flat.device.type != "cpu" or dist.get_backend(group) != "gloo":
         return 1
     nbytes = flat.numel() * flat.element_size()
     return max(1, min(GATHER_PARTS, nbytes // GATHER_PART_BYTES))
