@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,29 @@ def world_sizes_to_test(default: tuple[int, ...] = (2, 3)) -> tuple[int, ...]:
 def flat_parameters(module: torch.nn.Module) -> np.ndarray:
     """The parameters as one numpy array, a copy that survives the trip back from a rank process."""
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).numpy().copy()
+
+
+@contextlib.contextmanager
+def counting_launches(*launchers: tuple[object, str]) -> Iterator[list[int]]:
+    """While inside, each ``module.name(output, input, ...)`` (a torch collective; ``input`` a tensor or a list
+    of them) records the number of elements it was given to send."""
+    launched: list[int] = []
+    originals = [(module, name, getattr(module, name)) for module, name in launchers]
+
+    def counting(launch: Callable[..., object]) -> Callable[..., object]:
+        def counted(output: object, sent: torch.Tensor | list[torch.Tensor], **kwargs: object) -> object:
+            launched.append(sum(t.numel() for t in sent) if isinstance(sent, list) else sent.numel())
+            return launch(output, sent, **kwargs)
+
+        return counted
+
+    for module, name, launch in originals:
+        setattr(module, name, counting(launch))
+    try:
+        yield launched
+    finally:
+        for module, name, launch in originals:
+            setattr(module, name, launch)
 
 
 def error_text(fn: Callable[[], Any]) -> str:

@@ -9,9 +9,8 @@ tensor as torch's collective gives, counted as one collective of the whole input
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ import torch.distributed as dist
 from gradcomm import comm
 from gradcomm.comm import collectives
 from gradcomm.testing import run_on_ranks
+from tests.helpers import counting_launches
 
 PART = collectives.GATHER_PART_BYTES
 # (elements, dtype, parts expected): empty, one element, one element short of two parts, two parts, three
@@ -33,29 +33,6 @@ SIZES = [
     (2 * PART + 1, torch.float16, 4),
     (9 * PART // 4 + 3, torch.float32, collectives.GATHER_PARTS),
 ]
-
-
-@contextlib.contextmanager
-def _counting_launches(*launchers: tuple[object, str]) -> Iterator[list[int]]:
-    """While inside, each ``module.name(output, input, ...)`` (a torch collective; ``input`` a tensor or a list
-    of them) records the number of elements it was given to send."""
-    launched: list[int] = []
-    originals = [(module, name, getattr(module, name)) for module, name in launchers]
-
-    def counting(launch: Callable[..., object]) -> Callable[..., object]:
-        def counted(output: object, sent: torch.Tensor | list[torch.Tensor], **kwargs: object) -> object:
-            launched.append(sum(t.numel() for t in sent) if isinstance(sent, list) else sent.numel())
-            return launch(output, sent, **kwargs)
-
-        return counted
-
-    for module, name, launch in originals:
-        setattr(module, name, counting(launch))
-    try:
-        yield launched
-    finally:
-        for module, name, launch in originals:
-            setattr(module, name, launch)
 
 
 def _record(
@@ -82,7 +59,7 @@ def _collectives_on_two_ranks() -> dict[str, dict[str, object]]:
         tensor = torch.randint(0, 100, (numel,), generator=generator).to(dtype)
         expected = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
         dist.all_gather(expected, tensor)
-        with _counting_launches((collectives, "_all_gather_single"), (dist, "all_gather")) as launched:
+        with counting_launches((collectives, "_all_gather_single"), (dist, "all_gather")) as launched:
             results[f"all-gather of {numel} x {dtype}"] = _record(
                 "all_gather", launched,
                 lambda tensor=tensor, expected=expected: torch.equal(
@@ -94,7 +71,7 @@ def _collectives_on_two_ranks() -> dict[str, dict[str, object]]:
             rows = torch.randint(0, 100, shape, generator=generator).to(dtype)
             exchanged = torch.empty_like(rows)
             single_all_to_all(exchanged, rows)
-            with _counting_launches((dist, "all_to_all_single"), (dist, "all_to_all")) as launched:
+            with counting_launches((dist, "all_to_all_single"), (dist, "all_to_all")) as launched:
                 results[f"all-to-all of {shape} x {dtype}"] = _record(
                     "all_to_all", launched,
                     lambda rows=rows, exchanged=exchanged: torch.equal(comm.all_to_all_single(rows).wait(), exchanged),

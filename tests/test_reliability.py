@@ -35,7 +35,7 @@ from gradcomm.hooks import allgather_hooks, default_hooks, powerSGD_hook
 from gradcomm.hooks.grad_bucket import GradBucket
 from gradcomm.hooks.registry import hook_names, make_comm_hook
 from gradcomm.testing import RankError, run_on_ranks
-from tests.helpers import error_text
+from tests.helpers import counting_launches, error_text
 
 FAULT_TIMEOUT = 3.0  # seconds: the timeout of the subgroup each fault runs on
 
@@ -47,8 +47,8 @@ def _mlp(seed: int = 0) -> nn.Module:
 
 
 def _wide_mlp() -> nn.Module:
-    """Three 768 x 768 weights (2.4 MB each): with ``bucket_cap_mb_list=[2.5]`` every bucket is over gloo's
-    1 MiB all-gather threshold, so an all-gather of a bucket goes as concurrent parts."""
+    """Three 768 x 768 weights (2.4 MB each): with ``bucket_cap_mb_list=[2.5]`` every bucket is far above
+    ``gradcomm.comm.collectives.GATHER_PART_BYTES``, so an all-gather of a bucket goes as concurrent parts."""
     torch.manual_seed(0)
     return nn.Sequential(
         nn.Linear(8, 768), nn.ReLU(), nn.Linear(768, 768), nn.ReLU(), nn.Linear(768, 768), nn.ReLU(),
@@ -137,31 +137,6 @@ def raise_on_rank_one_gather_hook(group: Any, bucket: dist.GradBucket) -> torch.
     return allgather_hooks.allgather_then_aggregate_hook(group, bucket)
 
 
-class _CountingGathers:
-    """Counts the gloo all-gathers :mod:`gradcomm.comm.collectives` launches (each part is one)."""
-
-    def __init__(self) -> None:
-        self.launched = 0
-        self._launches = [(collectives, "_all_gather_single"), (dist, "all_gather")]
-        self._originals = [getattr(module, name) for module, name in self._launches]
-
-    def __enter__(self) -> _CountingGathers:
-        def counting(launch: Any) -> Any:
-            def counted(*args: Any, **kwargs: Any) -> Any:
-                self.launched += 1
-                return launch(*args, **kwargs)
-
-            return counted
-
-        for (module, name), launch in zip(self._launches, self._originals, strict=True):
-            setattr(module, name, counting(launch))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for (module, name), launch in zip(self._launches, self._originals, strict=True):
-            setattr(module, name, launch)
-
-
 # -- the checks ------------------------------------------------------------------------------------------
 def _faults() -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -187,10 +162,10 @@ def _faults() -> dict[str, Any]:
     group = _fault_group()
     ddp = gradcomm.DistributedDataParallel(_wide_mlp(), process_group=group, bucket_cap_mb_list=[2.5])
     ddp.register_comm_hook(group, raise_on_rank_one_gather_hook)
-    with _CountingGathers() as gathers:
+    with counting_launches((collectives, "_all_gather_single"), (dist, "all_gather")) as gathers:
         out["gather_hook_raises"] = _first_failure(ddp, 3)
     out["gather_hook_raises"]["buckets"] = ddp.reducer.bucket_count
-    out["gather_hook_raises"]["gathers_launched"] = gathers.launched
+    out["gather_hook_raises"]["gathers_launched"] = len(gathers)  # each part is one
     return out
 
 
