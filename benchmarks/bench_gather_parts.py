@@ -4,7 +4,9 @@ Two gloo ranks, each in its own network namespace behind a link shaped to ``--ba
 :mod:`gradcomm.testing.network`). For each size (bytes per rank) it times, median of ``--reps`` after a
 barrier: an allreduce of the tensor (a ring on two ranks puts the same bytes on each link as an all-gather),
 ``torch.distributed.all_gather_into_tensor`` of the tensor sent whole or as 2, 4 and 8 concurrent parts, and
-gradcomm's all-gather; then an all-to-all sending a chunk of the same size to the peer, torch's and gradcomm's.
+gradcomm's all-gather; then an all-to-all sending a chunk of the same size to the peer, torch's and gradcomm's;
+then the same exchange of one chunk with the peer by ``isend``/``irecv``, the receive posted first and, for
+comparison, the send first. On gloo gradcomm's all-gather and all-to-all are that exchange, receives first.
 The "% of link" column is the link's time for the bytes each rank sends (``bytes * 8 / rate``) over the
 slower rank's time. What :func:`gradcomm.comm.all_gather_into_tensor` does with large gathers rests on it.
 
@@ -47,6 +49,15 @@ def _gather_in_parts(tensor: torch.Tensor, parts: int) -> None:
         work.wait()
 
 
+def _exchange_with_peer(rows: torch.Tensor, receive_first: bool) -> None:
+    """Send this rank's row to the other rank and receive the other's, with ``torch.distributed`` directly."""
+    peer = 1 - dist.get_rank()
+    received = torch.empty_like(rows[peer])
+    posts = [lambda: dist.irecv(received, peer), lambda: dist.isend(rows[dist.get_rank()], peer)]
+    for work in [post() for post in (posts if receive_first else posts[::-1])]:
+        work.wait()
+
+
 def _time_on_rank(numels: list[int], reps: int, late_s: float) -> dict[tuple[int, str], float]:
     torch.set_num_threads(1)
     seconds: dict[tuple[int, str], float] = {}
@@ -60,6 +71,8 @@ def _time_on_rank(numels: list[int], reps: int, late_s: float) -> dict[tuple[int
         rows = torch.randn(2, numel)  # a chunk of the tensor's size for each rank
         ways["all_to_all_single, whole"] = lambda rows=rows: dist.all_to_all_single(torch.empty_like(rows), rows)
         ways["gradcomm.comm.all_to_all_single"] = lambda rows=rows: comm.all_to_all_single(rows).wait()
+        ways["isend/irecv, receive first"] = lambda rows=rows: _exchange_with_peer(rows, receive_first=True)
+        ways["isend/irecv, send first"] = lambda rows=rows: _exchange_with_peer(rows, receive_first=False)
         for name, way in ways.items():
             times = []
             for _ in range(reps):

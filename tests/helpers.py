@@ -31,26 +31,28 @@ def flat_parameters(module: torch.nn.Module) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def counting_launches(*launchers: tuple[object, str]) -> Iterator[list[int]]:
-    """While inside, each ``module.name(output, input, ...)`` (a torch collective; ``input`` a tensor or a list
-    of them) records the number of elements it was given to send."""
-    launched: list[int] = []
-    originals = [(module, name, getattr(module, name)) for module, name in launchers]
+def counting_point_to_point() -> Iterator[list[tuple[str, int, int]]]:
+    """While inside, every ``dist.isend``/``dist.irecv`` is recorded as ``(kind, group peer, elements)``, in the
+    order posted (gradcomm's all-gathers and all-to-alls on gloo)."""
+    import torch.distributed as dist
 
-    def counting(launch: Callable[..., object]) -> Callable[..., object]:
-        def counted(output: object, sent: torch.Tensor | list[torch.Tensor], **kwargs: object) -> object:
-            launched.append(sum(t.numel() for t in sent) if isinstance(sent, list) else sent.numel())
-            return launch(output, sent, **kwargs)
+    posted: list[tuple[str, int, int]] = []
+    originals = {"isend": dist.isend, "irecv": dist.irecv}
+
+    def counting(kind: str, post: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            posted.append((kind, int(kwargs.get("group_dst", kwargs.get("group_src"))), tensor.numel()))
+            return post(tensor, *args, **kwargs)
 
         return counted
 
-    for module, name, launch in originals:
-        setattr(module, name, counting(launch))
+    for kind, post in originals.items():
+        setattr(dist, kind, counting(kind, post))
     try:
-        yield launched
+        yield posted
     finally:
-        for module, name, launch in originals:
-            setattr(module, name, launch)
+        for kind, post in originals.items():
+            setattr(dist, kind, post)
 
 
 def error_text(fn: Callable[[], Any]) -> str:

@@ -1,4 +1,5 @@
-"""gradcomm.comm.futures.when_all: the one way hooks combine several collectives' futures.
+"""gradcomm.comm.futures.when_all: the one way hooks combine several collectives' futures; and
+``future_of_works``, the future of work that has none of its own (gloo's sends and receives).
 
 On CUDA its future must be CUDA-aware (checked on a GPU by benchmarks/gpu_checks.sh, where the quantization
 hooks diverged replicas before it was); here, what holds on every device: order, completion, failure.
@@ -6,10 +7,12 @@ hooks diverged replicas before it was); here, what holds on every device: order,
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
-from gradcomm.comm.futures import when_all
+from gradcomm.comm.futures import future_of_works, when_all
 
 CPU = torch.device("cpu")
 
@@ -45,3 +48,64 @@ def test_a_failure_reaches_the_chained_callback_with_its_message() -> None:
     with pytest.raises(RuntimeError, match="collective 2 timed out"):
         result.wait()
     assert reached == [True]
+
+
+class _Work:
+    """Stands in for a ``torch.distributed.Work``: ``wait`` blocks until :meth:`finish`, then raises its error."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+    def wait(self) -> bool:
+        assert self._done.wait(timeout=30), "never finished"
+        if self._error is not None:
+            raise self._error
+        return True
+
+
+def _waiters() -> int:
+    return sum(thread.name == "gradcomm-waiter" for thread in threading.enumerate())
+
+
+@pytest.mark.timeout(60)
+def test_future_of_works_completes_once_every_work_is_done_and_reuses_its_thread() -> None:
+    for _ in range(3):
+        works = [_Work(), _Work()]
+        result = torch.ones(2)
+        future = future_of_works(works, result)
+        works[1].finish()
+        assert not future.done()
+        works[0].finish()
+        assert future.wait() is result
+    idle = _waiters()
+    for _ in range(5):  # one at a time: an idle thread takes each, none is added
+        works = [_Work()]
+        future = future_of_works(works, None)
+        works[0].finish()
+        future.wait()
+    assert _waiters() == idle, (idle, _waiters())
+
+
+@pytest.mark.timeout(60)
+def test_future_of_works_fails_with_the_first_failure() -> None:
+    works = [_Work(), _Work()]
+    future = future_of_works(works, None)
+    works[0].finish(RuntimeError("Timed out waiting 3000ms for recv operation to complete"))
+    with pytest.raises(RuntimeError, match="Timed out waiting 3000ms for recv"):
+        future.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_callback_may_wait_for_a_later_work_without_deadlock() -> None:
+    """The thread that completes the first future runs its callback, which waits for a second future: another
+    thread must complete that one (a single waiting thread would deadlock here)."""
+    first, second = _Work(), _Work()
+    chained = future_of_works([first], None).then(lambda _: future_of_works([second], 7).wait())
+    first.finish()
+    threading.Timer(0.2, second.finish).start()
+    assert chained.wait() == 7

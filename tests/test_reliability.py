@@ -5,7 +5,8 @@ One spawned group of two ranks runs every check that leaves the processes alive;
 process group (a hook raising on rank 1 only, a future failing on rank 1 only, a NaN on rank 1) runs on a
 fresh gloo subgroup with a 3-second timeout, so the rank left waiting fails within seconds and the next
 check starts on a healthy group. Two more spawned groups each have a rank killed with SIGKILL: during a plain
-allreduce, and right after it launched an all-gather that gloo carries as concurrent parts. Messages are
+allreduce, and right after it posted an all-gather's receive and send (gradcomm exchanges point to point on
+gloo). Messages are
 collected in the ranks and asserted here, in the parent. No test bounds wall-clock time from above: that a
 rank failed through the timeout, or at once through a closed connection, is read from its error.
 """
@@ -29,13 +30,12 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 import gradcomm
-from gradcomm.comm import collectives
 from gradcomm.compression.registry import methods as compression_methods
 from gradcomm.hooks import allgather_hooks, default_hooks, powerSGD_hook
 from gradcomm.hooks.grad_bucket import GradBucket
 from gradcomm.hooks.registry import hook_names, make_comm_hook
 from gradcomm.testing import RankError, run_on_ranks
-from tests.helpers import counting_launches, error_text
+from tests.helpers import counting_point_to_point, error_text
 
 FAULT_TIMEOUT = 3.0  # seconds: the timeout of the subgroup each fault runs on
 
@@ -44,16 +44,6 @@ FAULT_TIMEOUT = 3.0  # seconds: the timeout of the subgroup each fault runs on
 def _mlp(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
-
-
-def _wide_mlp() -> nn.Module:
-    """Three 768 x 768 weights (2.4 MB each): with ``bucket_cap_mb_list=[2.5]`` every bucket is far above
-    ``gradcomm.comm.collectives.GATHER_PART_BYTES``, so an all-gather of a bucket goes as concurrent parts."""
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(8, 768), nn.ReLU(), nn.Linear(768, 768), nn.ReLU(), nn.Linear(768, 768), nn.ReLU(),
-        nn.Linear(768, 768), nn.ReLU(), nn.Linear(768, 4),
-    )
 
 
 def _bn_model() -> nn.Module:
@@ -131,7 +121,7 @@ def failing_future_on_rank_one_hook(group: Any, bucket: dist.GradBucket) -> torc
 
 
 def raise_on_rank_one_gather_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """The all-gather hook, but rank 1 raises before gathering bucket 1: rank 0's parts have no partner."""
+    """The all-gather hook, but rank 1 raises before gathering bucket 1: rank 0's receive has no partner."""
     if dist.get_rank() == 1 and bucket.index() == 1:
         raise KeyError("no gather buffer on rank 1")
     return allgather_hooks.allgather_then_aggregate_hook(group, bucket)
@@ -158,14 +148,14 @@ def _faults() -> dict[str, Any]:
         weight.register_hook(lambda grad: grad.clone().fill_(math.nan) if ddp.synchronised_steps == 1 else grad)
     out["nan"] = _first_failure(ddp, 3)
 
-    # A bucket that goes as several concurrent all-gathers: rank 0's are left without a partner
+    # An all-gather hook, whose buckets are exchanged point to point: rank 0's receive has no partner
     group = _fault_group()
-    ddp = gradcomm.DistributedDataParallel(_wide_mlp(), process_group=group, bucket_cap_mb_list=[2.5])
+    ddp = gradcomm.DistributedDataParallel(_mlp(), process_group=group, bucket_cap_mb_list=[0.001])
     ddp.register_comm_hook(group, raise_on_rank_one_gather_hook)
-    with counting_launches((collectives, "_all_gather_single"), (dist, "all_gather")) as gathers:
+    with counting_point_to_point() as posted:
         out["gather_hook_raises"] = _first_failure(ddp, 3)
     out["gather_hook_raises"]["buckets"] = ddp.reducer.bucket_count
-    out["gather_hook_raises"]["gathers_launched"] = len(gathers)  # each part is one
+    out["gather_hook_raises"]["posted"] = posted
     return out
 
 
@@ -442,19 +432,19 @@ def test_future_failing_on_one_rank(ranks: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_hook_raising_while_the_peer_gathers_in_parts(ranks: list[dict[str, Any]]) -> None:
+def test_hook_raising_while_the_peer_exchanges_point_to_point(ranks: list[dict[str, Any]]) -> None:
     zero, one = ranks[0]["faults"]["gather_hook_raises"], ranks[1]["faults"]["gather_hook_raises"]
-    assert one["buckets"] == 2, one
-    # rank 1 gathered bucket 0 in several parts and raised at bucket 1; rank 0 launched bucket 1's parts too
-    assert one["gathers_launched"] >= 2, one
-    assert zero["gathers_launched"] >= one["gathers_launched"] + 2, (zero, one)
+    assert one["buckets"] >= 3, one
+    # rank 1 exchanged bucket 0 (a receive, then a send) and raised at bucket 1; rank 0 posted bucket 1's too
+    assert [kind for kind, _, _ in one["posted"]] == ["irecv", "isend"], one["posted"]
+    assert [kind for kind, _, _ in zero["posted"][:4]] == ["irecv", "isend"] * 2, zero["posted"]
     assert re.match(
         r"CommHookError: Communication hook raise_on_rank_one_gather_hook raised on bucket 1 \(\d+ elements\): "
         r"KeyError: 'no gather buffer on rank 1' \(rank 1, step 0\)",
         one["message"],
     ), one["message"]
-    # bucket 0's parts all matched (the error is at bucket 1); bucket 1's found no partner and timed out (a
-    # part still waiting when the first timed out reports gloo's "Application timeout caused pair closure")
+    # bucket 0's exchange matched (the error is at bucket 1); bucket 1's receive found no partner and timed out
+    # (a send still waiting when it did reports gloo's "Application timeout caused pair closure")
     assert re.match(
         r"(?s)PeerLostError: rank 0 lost contact with its peers during step 0, bucket 1 \(hook: "
         r"raise_on_rank_one_gather_hook\): RuntimeError: .*(Timed out|Application timeout caused pair closure)"
@@ -585,7 +575,7 @@ def killed_mid_training(kill_at: int = 3) -> int:
 
 
 def kill_after_launching_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """The all-gather hook, but rank 1 dies right after launching the parts of step 2's bucket 1."""
+    """The all-gather hook, but rank 1 dies right after posting step 2's bucket 1 (a receive, then a send)."""
     kill_after_launching_hook.step += bucket.index() == 0  # type: ignore[attr-defined]
     future = allgather_hooks.allgather_then_aggregate_hook(group, bucket)
     if dist.get_rank() == 1 and bucket.index() == 1 and kill_after_launching_hook.step == 2:  # type: ignore[attr-defined]
@@ -597,7 +587,7 @@ kill_after_launching_hook.step = -1  # type: ignore[attr-defined]
 
 
 def killed_mid_gather() -> int:
-    ddp = gradcomm.DistributedDataParallel(_wide_mlp(), bucket_cap_mb_list=[2.5])
+    ddp = gradcomm.DistributedDataParallel(_mlp(), bucket_cap_mb_list=[0.001])
     ddp.register_comm_hook(None, kill_after_launching_hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     for step in range(100):
@@ -628,7 +618,7 @@ KILLED = {
         killed_mid_training,
         r"step 3, bucket 0 \(hook: default allreduce \(no hook registered\)\)",
     ),
-    "after_launching_gather_parts": (killed_mid_gather, r"step 2, bucket [01] \(hook: kill_after_launching_hook\)"),
+    "after_posting_an_exchange": (killed_mid_gather, r"step 2, bucket [0-2] \(hook: kill_after_launching_hook\)"),
 }
 
 

@@ -5,7 +5,7 @@ collective is counted in one place, whatever DDP the hook is registered on: in t
 and in the account of the DDP whose hook launched it (:func:`counting_into`; collectives launched later from a
 callback through :class:`~gradcomm.comm.launcher.OrderedLauncher` are counted where they were reserved). They
 are thin: each launches one ``torch.distributed`` collective with ``async_op=True`` and adapts its future,
-except that a large all-gather or all-to-all on gloo goes as a few concurrent ones
+except that on gloo an all-gather or all-to-all goes as point-to-point sends and receives
 (:func:`all_gather_into_tensor`).
 
 ``group`` is a process group or ``None`` for the default (WORLD) group. Each call is counted with the size
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from gradcomm.comm.futures import future_of, when_all
+from gradcomm.comm.futures import future_of, future_of_works
 
 __all__ = [
     "Traffic",
@@ -205,11 +205,9 @@ def all_gather(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch
     return future_of(work, outputs)
 
 
-GATHER_PART_BYTES = 128 << 10
-"""On gloo, an all-gather of at least twice this many bytes per rank (an all-to-all: per peer) is sent as
-several concurrent ones of its parts, each at least this large and at most :data:`GATHER_PARTS` of them
-(:func:`all_gather_into_tensor`)."""
-GATHER_PARTS = 4
+EXCHANGE_TAG = 0x67636F6D
+"""The point-to-point tag of :func:`all_gather_into_tensor` and :func:`all_to_all_single` on gloo, apart
+from the tags a user's own sends and receives are likely to use."""
 
 
 def all_gather_into_tensor(
@@ -217,59 +215,49 @@ def all_gather_into_tensor(
 ) -> torch.futures.Future[torch.Tensor]:
     """Gather ``tensor`` from every rank into one tensor of ``world_size * numel`` elements, rank-major.
 
-    On gloo, twice :data:`GATHER_PART_BYTES` or more per rank go as up to :data:`GATHER_PARTS` concurrent
-    all-gathers of consecutive parts, each received straight into its place in the result. gloo's
-    all-gather posts each send before the matching receive, and a send waits until the peer has posted its
-    receive. The rank that reaches the collective later therefore sends its "ready to receive" behind half of
-    its own data, and only then does its peer start sending to it: that rank takes about 1.5x the link time of
-    the bytes, where an allreduce of the same bytes (whose segments are small, each receive posted before its
-    send) takes 1.0x. In parts, the data ahead of that message is a part's. On 2 ranks behind 100 Mbit/s links,
-    the later rank 20 ms late: 0.35-1.65 MB per rank took it 1.44-1.47x the earlier rank's time in one
-    message, 1.06-1.11x in 4 parts (``benchmarks/RESULTS.md``, "The later rank's all-gather"). Parts smaller
-    than about 128 KiB cost more in per-collective overhead than they save. Counted as one collective.
+    On gloo (CPU tensors) the rows are exchanged with every peer by point-to-point sends and receives, every
+    receive posted before any send (:func:`_exchange`), instead of gloo's all-gather. gloo's all-gather posts
+    each send before the matching receive, and a send waits until the peer has posted its receive. The rank
+    that reaches the collective later therefore sends its "ready to receive" behind half of its own data, and
+    only then does its peer start sending to it: that rank takes about 1.5x the link time of its bytes. With
+    the receives first it takes 1.0x: on 2 ranks behind 100 Mbit/s links, the later rank 20 ms late, 0.09-1.65
+    MB per rank took it 1.2-1.5x the earlier rank's time as one all-gather and 1.00-1.03x exchanged
+    (``benchmarks/RESULTS.md``, "Receives before sends"). Counted as one collective.
     """
     _record("all_gather", group, tensor)
     world_size = group_size(group)
     flat = tensor.reshape(-1)
     output = tensor.new_empty((world_size * flat.numel(),))
-    parts = _parts(flat, group)
-    if parts == 1:
+    if not _exchanges(flat, group):
         return future_of(_all_gather_single(output, flat, group=group, async_op=True), output)
-    received = _stretches(output.view(world_size, -1), parts)
-    return _when_all_done(
-        [
-            dist.all_gather(into, chunk, group=group, async_op=True)
-            for into, chunk in zip(received, flat.tensor_split(parts), strict=True)
-        ],
-        output,
-    )
+    rows = output.view(world_size, -1)
+    rows[group_rank(group)].copy_(flat)
+    return _exchange([flat] * world_size, list(rows.unbind(0)), group, output)
 
 
-def _stretches(rows: torch.Tensor, parts: int) -> list[list[torch.Tensor]]:
-    """``rows`` (one row per rank) cut into ``parts`` stretches of columns: for each stretch, its piece of every
-    row. Each piece is a contiguous view, so a list collective reads or writes ``rows`` in place: gloo copies
-    between them and its own buffer on its worker thread, and nothing is reassembled here."""
-    return [list(stretch.unbind(0)) for stretch in rows.tensor_split(parts, dim=1)]
+def _exchanges(tensor: torch.Tensor, group: ProcessGroup | None) -> bool:
+    """Whether :func:`all_gather_into_tensor` and :func:`all_to_all_single` exchange ``tensor`` point to point
+    (:func:`_exchange`): CPU tensors on a gloo group of several ranks. gloo's sends and receives take CPU
+    tensors only, and NCCL's collectives do not have gloo's ordering of sends and receives."""
+    return group_size(group) > 1 and tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
 
 
-def _when_all_done(works: Sequence[dist.Work], result: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """A future holding ``result`` once every one of ``works`` is done; it fails with the first that fails."""
+def _exchange(
+    outgoing: Sequence[torch.Tensor], incoming: Sequence[torch.Tensor], group: ProcessGroup | None, result: T
+) -> torch.futures.Future[T]:
+    """Send ``outgoing[peer]`` to every peer and receive ``incoming[peer]`` from it (``group`` ranks; this
+    rank's own entries are not touched), posting every receive before any send: the peer that is already
+    waiting starts sending the moment this rank arrives. A future holds ``result`` once all are done; it
+    fails with the first failure (gloo's timeout, or a peer's closed connection).
 
-    def done(all_done: torch.futures.Future[list[None]]) -> torch.Tensor:
-        all_done.value()  # re-raises the failure: a part that timed out must not pass for a gathered one
-        return result
-
-    return when_all([future_of(work, None) for work in works], result.device).then(done)
-
-
-def _parts(flat: torch.Tensor, group: ProcessGroup | None) -> int:
-    """In how many concurrent collectives :func:`all_gather_into_tensor` and :func:`all_to_all_single` send
-    ``flat``, what each rank sends to each peer. Only CPU tensors on gloo go in parts: gloo's list all-to-all
-    takes CPU tensors only, and NCCL's collectives do not have gloo's ordering of sends and receives."""
-    if group_size(group) < 2 or flat.device.type != "cpu" or dist.get_backend(group) != "gloo":
-        return 1
-    nbytes = flat.numel() * flat.element_size()
-    return max(1, min(GATHER_PARTS, nbytes // GATHER_PART_BYTES))
+    gloo's point-to-point work has no future of its own: a background thread waits for it
+    (:func:`~gradcomm.comm.futures.future_of_works`). Every exchange is posted in the same order on every
+    rank, and gloo matches a peer's sends with the receives of the same tag in the order they were posted."""
+    me = group_rank(group)
+    peers = [(me + offset) % len(outgoing) for offset in range(1, len(outgoing))]
+    works = [dist.irecv(incoming[peer], group=group, group_src=peer, tag=EXCHANGE_TAG) for peer in peers]
+    works += [dist.isend(outgoing[peer], group=group, group_dst=peer, tag=EXCHANGE_TAG) for peer in peers]
+    return future_of_works(works, result)
 
 
 def reduce_scatter_tensor(
@@ -292,11 +280,11 @@ def all_to_all_single(tensor: torch.Tensor, group: ProcessGroup | None = None) -
     """Send chunk ``j`` of ``tensor`` (``world_size`` equal chunks along dim 0) to rank ``j``; the future holds
     the chunks received, ordered by source rank, in a tensor shaped like ``tensor``.
 
-    On gloo, chunks of twice :data:`GATHER_PART_BYTES` or more go as concurrent all-to-alls of stretches of
-    every chunk, as :func:`all_gather_into_tensor` does and for the same reason, only more so: gloo's
-    all-to-all sends a whole chunk before posting the matching receive, so the later rank's "ready to receive"
-    waits behind all of its data (2 ranks, 0.17-1.65 MB per peer at 100 Mbit/s, the later rank 20 ms late:
-    1.5-2.0x the earlier rank's time). Counted as one collective."""
+    On gloo (CPU tensors) the chunks go point to point, every receive posted first, as in
+    :func:`all_gather_into_tensor` and for the same reason, only more so: gloo's all-to-all sends a whole
+    chunk before posting the matching receive, so the later rank's "ready to receive" waits behind all of its
+    data (2 ranks, 0.09-1.65 MB per peer at 100 Mbit/s, the later rank 20 ms late: 1.5-1.9x the earlier
+    rank's time, 1.0x exchanged). Counted as one collective."""
     world_size = group_size(group)
     if tensor.shape[0] % world_size:
         raise ValueError(
@@ -306,19 +294,12 @@ def all_to_all_single(tensor: torch.Tensor, group: ProcessGroup | None = None) -
     _record("all_to_all", group, tensor)
     source = tensor.contiguous()
     output = torch.empty_like(source)
-    rows = source.view(world_size, -1)
-    parts = _parts(rows[0], group)
-    if parts == 1:
+    if not _exchanges(source, group):
         return future_of(dist.all_to_all_single(output, source, group=group, async_op=True), output)
-    # each part a stretch of every rank's chunk, so that each rank still receives its own chunk's stretch
-    received = _stretches(output.view(world_size, -1), parts)
-    return _when_all_done(
-        [
-            dist.all_to_all(into, sent, group=group, async_op=True)
-            for into, sent in zip(received, _stretches(rows, parts), strict=True)
-        ],
-        output,
-    )
+    rows, received = source.view(world_size, -1), output.view(world_size, -1)
+    me = group_rank(group)
+    received[me].copy_(rows[me])
+    return _exchange(list(rows.unbind(0)), list(received.unbind(0)), group, output)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup | None = None) -> torch.futures.Future[torch.Tensor]:
