@@ -1,8 +1,9 @@
 """Small helpers on ``torch.futures.Future``, in one place.
 
 Hooks return futures, collectives produce them, and the reducer waits on them. These helpers build new
-futures on the right device, combine several into one, adapt a ``torch.distributed`` work handle, and wait
-for leftovers without raising. (torchft keeps the same kind of helpers in a single ``futures.py``.)
+futures on the right device, combine several into one, adapt a ``torch.distributed`` work handle (on a
+background thread where it has no future of its own: gloo's sends and receives), and wait for leftovers
+without raising. (torchft keeps the same kind of helpers in a single ``futures.py``.)
 """
 
 from __future__ import annotations
@@ -125,8 +126,10 @@ class _Waiters:
                 self._idle += 1
 
     def _forget_threads(self) -> None:
-        """In a forked child the parent's threads are gone: start afresh."""
-        self.__init__()
+        """In a forked child the parent's threads are gone (and its lock may be held): start afresh."""
+        self._jobs = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
 
 
 _WAITERS = _Waiters()
