@@ -8,7 +8,7 @@ gradcomm's all-gather; then an all-to-all sending a chunk of the same size to th
 then the same exchange of one chunk with the peer by ``isend``/``irecv``, the receive posted first and, for
 comparison, the send first. On gloo gradcomm's all-gather and all-to-all are that exchange, receives first.
 The "% of link" column is the link's time for the bytes each rank sends (``bytes * 8 / rate``) over the
-slower rank's time. What :func:`gradcomm.comm.all_gather_into_tensor` does with large gathers rests on it.
+slower rank's time. What :func:`gradcomm.comm.all_gather_into_tensor` does on gloo rests on it.
 
 ``--late-ms D``: rank 1 starts each collective ``D`` ms after rank 0 (in training the ranks never reach a
 collective together), and each rank's time is counted from rank 1's start. gloo's all-gather and all-to-all

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 # Where the suites that compare numbers (test_properties, test_ddp_vs_torch) run. By default on CPU tensors
@@ -34,8 +35,6 @@ def flat_parameters(module: torch.nn.Module) -> np.ndarray:
 def counting_point_to_point() -> Iterator[list[tuple[str, int, int]]]:
     """While inside, every ``dist.isend``/``dist.irecv`` is recorded as ``(kind, group peer, elements)``, in the
     order posted (gradcomm's all-gathers and all-to-alls on gloo)."""
-    import torch.distributed as dist
-
     posted: list[tuple[str, int, int]] = []
     originals = {"isend": dist.isend, "irecv": dist.irecv}
 

@@ -6,9 +6,9 @@ process group (a hook raising on rank 1 only, a future failing on rank 1 only, a
 fresh gloo subgroup with a 3-second timeout, so the rank left waiting fails within seconds and the next
 check starts on a healthy group. Two more spawned groups each have a rank killed with SIGKILL: during a plain
 allreduce, and right after it posted an all-gather's receive and send (gradcomm exchanges point to point on
-gloo). Messages are
-collected in the ranks and asserted here, in the parent. No test bounds wall-clock time from above: that a
-rank failed through the timeout, or at once through a closed connection, is read from its error.
+gloo). Messages are collected in the ranks and asserted here, in the parent. No test bounds wall-clock time
+from above: that a rank failed through the timeout, or at once through a closed connection, is read from its
+error.
 """
 
 from __future__ import annotations

@@ -105,6 +105,11 @@ class _Waiters:
     the interpreter from exiting (``concurrent.futures`` joins its threads at exit)."""
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        """No threads yet. Also called in a forked child, where the parent's threads are gone (and its lock may
+        be held)."""
         self._jobs: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.SimpleQueue()
         self._idle = 0
         self._lock = threading.Lock()
@@ -125,15 +130,9 @@ class _Waiters:
             with self._lock:
                 self._idle += 1
 
-    def _forget_threads(self) -> None:
-        """In a forked child the parent's threads are gone (and its lock may be held): start afresh."""
-        self._jobs = queue.SimpleQueue()
-        self._idle = 0
-        self._lock = threading.Lock()
-
 
 _WAITERS = _Waiters()
-os.register_at_fork(after_in_child=_WAITERS._forget_threads)
+os.register_at_fork(after_in_child=_WAITERS._reset)
 
 
 def wait_quietly(futures: Iterable[torch.futures.Future[Any] | None]) -> None:
