@@ -32,9 +32,9 @@ in :data:`DIVERGING`. Warm-up options are set so that compression is really exer
 when any other hook is added to the registry without being placed in one of these tables (it is still run
 with checks (a) and (b) meanwhile).
 
-Each hook runs two explicit examples per world size (every model feature at once on gradcomm's DDP, with a
-0.0001 MB bucket cap, one parameter per bucket, and with 0.01 MB, several per bucket) and ``EXAMPLES``
-generated ones. With ``GRADCOMM_TEST_DEVICE=cuda`` (and ``_BACKEND``, ``_WORLD_SIZES``: :mod:`tests.helpers`)
+Each hook runs three explicit examples per world size (every model feature at once on gradcomm's DDP, with a
+0.0001 MB bucket cap, one parameter per bucket, and with 0.01 MB, several per bucket; and a bucket with no
+elements) and ``EXAMPLES`` generated ones. With ``GRADCOMM_TEST_DEVICE=cuda`` (and ``_BACKEND``, ``_WORLD_SIZES``: :mod:`tests.helpers`)
 the same runs on CUDA tensors; ``benchmarks/gpu_checks.sh`` does that on a machine with a GPU.
 
 Speed and determinism: one group of ranks is spawned per world size; inside it every rank runs the same
@@ -47,7 +47,7 @@ size, bucket cap, options, model and step, and each hook is its own test case.
 
 Set ``GRADCOMM_PROPERTY_EXAMPLES`` for more generated examples per hook and world size, and
 ``GRADCOMM_PROPERTY_SHRINK=1`` to have hypothesis shrink the first generated failure of each hook to a minimal
-example (slow, and without the two explicit examples; the ranks shrink in lockstep because every verdict is
+example (slow, and without the explicit examples; the ranks shrink in lockstep because every verdict is
 shared).
 """
 
@@ -65,7 +65,7 @@ import traceback
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -82,7 +82,7 @@ from gradcomm.hooks.registry import hook_names, make_comm_hook, resolve_hook_nam
 from gradcomm.testing import RankError, run_on_ranks
 from tests.ddp_kinds import DDP_KINDS, make_ddp
 from tests.helpers import TEST_BACKEND, TEST_DEVICE, world_sizes_to_test
-from tests.property_models import ModelSpec, PropertyModel, batch, full_feature_spec, model_specs
+from tests.property_models import ModelSpec, ParamSpec, PropertyModel, batch, full_feature_spec, model_specs
 
 # Gloo on CPU tensors unless GRADCOMM_TEST_DEVICE / _BACKEND / _WORLD_SIZES say otherwise (tests.helpers).
 DEVICE, BACKEND, WORLD_SIZES = TEST_DEVICE, TEST_BACKEND, world_sizes_to_test()
@@ -358,6 +358,13 @@ def explicit_case(hook: str, bucket_cap_mb: float) -> Case:
     return Case(full_feature_spec(bucket_cap_mb), bucket_cap_mb, tuple(sorted(options.items())), 4, 0.9)
 
 
+def empty_bucket_case(hook: str) -> Case:
+    """The third example every hook runs: a bucket with no elements. The only float64 parameter is empty, so
+    it has a bucket of its own (one per dtype), beside a float32 matrix; 3 steps, past the warm-ups."""
+    spec = ModelSpec(params=(ParamSpec((0,), "float64"), ParamSpec((67, 68), zero="column")), tied=(1,), seed=2)
+    return replace(explicit_case(hook, 0.01), spec=spec, steps=3)
+
+
 def _make_ddp(case: Case, model: PropertyModel, group: dist.ProcessGroup) -> torch.nn.Module:
     """The case's DDP: gradcomm's, torch's (the hook registered on it as on gradcomm's), or gradcomm's legacy
     one (an explicit ``all_reduce()`` after backward, the bucket cap as its buffer of float32 elements)."""
@@ -622,6 +629,7 @@ def check_hook(hook: str, examples: int, shrink: bool) -> dict[str, Any]:
     )
     @example(case=explicit_case(hook, 0.0001))
     @example(case=explicit_case(hook, 0.01))
+    @example(case=empty_bucket_case(hook))
     @given(case=cases(hook))
     def property_holds(case: Case) -> None:
         nonlocal ran

@@ -80,7 +80,7 @@ def _dequantized_sum(gathered: torch.Tensor, qparams: torch.Tensor, out: torch.T
     """The sum over ranks, in rank order, of their dequantized channels, written into ``out`` (float32, shaped
     as the channels): ``gathered`` holds every rank's quantized channels, ``qparams`` every rank's ``(2,
     rows)`` scales and zero points."""
-    ranks = zip(qparams, gathered.view(-1, *out.shape), strict=True)
+    ranks = zip(qparams, gathered.view(len(qparams), *out.shape), strict=True)  # not -1: an empty bucket's is 0
     (scale, zero_point), quantized = next(ranks)
     _dequantize(quantized, scale, zero_point, out=out)
     for (scale, zero_point), quantized in ranks:

@@ -163,6 +163,8 @@ def decompress_with_error(
     temporary.
     """
     length = buffer.numel()
+    if length == 0:  # an empty bucket: a 0 x 0 matrix, nothing to write or to subtract
+        return
     full_rows = length // side
     head = full_rows * side
     torch.matmul(p[:full_rows], q.t(), out=buffer[:head].view(full_rows, side))
