@@ -94,7 +94,8 @@ EXAMPLES = int(os.environ.get("GRADCOMM_PROPERTY_EXAMPLES", "3"))  # generated, 
 SHRINK = os.environ.get("GRADCOMM_PROPERTY_SHRINK", "") not in ("", "0")
 EXAMPLE_TIMEOUT = 10.0  # seconds: the timeout of each example's subgroup
 WATCHDOG_SECONDS = 45.0  # an example still running after this long prints its description and stacks
-RUN_TIMEOUT = 150.0 if not SHRINK else 1200.0  # seconds per spawned group
+# seconds per spawned group: 150 at the default examples, more in proportion where more are asked for
+RUN_TIMEOUT = (150.0 if not SHRINK else 1200.0) * max(1.0, (EXAMPLES + 3) / 6)
 LEARNING_RATE = 0.05
 BUCKET_CAPS_MB = (0.0001, 0.001, 0.01, 0.1, None)
 FLOAT_RTOL = 1e-6  # allreduce and allgather: float rounding, relative to the mean absolute gradient
