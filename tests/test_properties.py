@@ -34,8 +34,9 @@ with checks (a) and (b) meanwhile).
 
 Each hook runs three explicit examples per world size (every model feature at once on gradcomm's DDP, with a
 0.0001 MB bucket cap, one parameter per bucket, and with 0.01 MB, several per bucket; and a bucket with no
-elements) and ``EXAMPLES`` generated ones. With ``GRADCOMM_TEST_DEVICE=cuda`` (and ``_BACKEND``, ``_WORLD_SIZES``: :mod:`tests.helpers`)
-the same runs on CUDA tensors; ``benchmarks/gpu_checks.sh`` does that on a machine with a GPU.
+elements) and ``EXAMPLES`` generated ones. With ``GRADCOMM_TEST_DEVICE=cuda`` (and ``_BACKEND``,
+``_WORLD_SIZES``: :mod:`tests.helpers`) the same runs on CUDA tensors; ``benchmarks/gpu_checks.sh`` does that
+on a machine with a GPU.
 
 Speed and determinism: one group of ranks is spawned per world size; inside it every rank runs the same
 hypothesis search per hook (a fixed seed per hook and world size, no example database), so all ranks draw the
@@ -94,8 +95,9 @@ EXAMPLES = int(os.environ.get("GRADCOMM_PROPERTY_EXAMPLES", "3"))  # generated, 
 SHRINK = os.environ.get("GRADCOMM_PROPERTY_SHRINK", "") not in ("", "0")
 EXAMPLE_TIMEOUT = 10.0  # seconds: the timeout of each example's subgroup
 WATCHDOG_SECONDS = 45.0  # an example still running after this long prints its description and stacks
+EXPLICIT_EXAMPLES = 3  # per hook and world size: check_hook's @example cases
 # seconds per spawned group: 150 at the default examples, more in proportion where more are asked for
-RUN_TIMEOUT = (150.0 if not SHRINK else 1200.0) * max(1.0, (EXAMPLES + 3) / 6)
+RUN_TIMEOUT = (150.0 if not SHRINK else 1200.0) * max(1.0, (EXAMPLES + EXPLICIT_EXAMPLES) / (3 + EXPLICIT_EXAMPLES))
 LEARNING_RATE = 0.05
 BUCKET_CAPS_MB = (0.0001, 0.001, 0.01, 0.1, None)
 FLOAT_RTOL = 1e-6  # allreduce and allgather: float rounding, relative to the mean absolute gradient
