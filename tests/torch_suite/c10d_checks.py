@@ -25,6 +25,7 @@ import os
 import random
 import tempfile
 import traceback
+import unittest
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -308,21 +309,84 @@ def _ignored_output(spare: bool) -> Scenario:
     return run
 
 
+class HookTestCase(unittest.TestCase):
+    """Shaped, as far as its hooks see it, like the ``MultiProcessTestCase`` of torch's hook tests: a callable
+    object holding this rank's ``rank``, its ``world_size`` and the process group. torch's tests define their
+    hooks inside its methods (capturing ``self``, which differs on every rank) or register its bound methods;
+    both DDPs must accept those hooks, as they carry the same code on every rank."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        super().__init__()  # "runTest": a TestCase built outside a test runner
+        self.rank, self.world_size, self.process_group = _rank(), _world(), group
+
+    def _get_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
+
+    def _simple_hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """torch's ``_simple_hook``: a completed future of ones, then ``+ 1``."""
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(torch.ones_like(bucket.buffer()))
+
+        def fut_then(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            t = fut.value()
+            return t + torch.ones_like(t)
+
+        return fut.then(fut_then)
+
+    def allreduce_hook_gloo(self) -> Callable[..., torch.futures.Future[torch.Tensor]]:
+        """test_ddp_comm_hook_sparse_gradients's hook: allreduce, then divide by ``self.world_size``."""
+        process_group = self._get_process_group()
+
+        def allreduce_hook_gloo(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            def div_by_world_size(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+                return fut.wait()[0] / self.world_size
+
+            fut = process_group.allreduce([bucket.buffer()]).get_future()
+            return fut.then(div_by_world_size)
+
+        return allreduce_hook_gloo
+
+    def allreduce_hook(self) -> Callable[..., torch.futures.Future[torch.Tensor]]:
+        """test_ddp_comm_hook_allreduce_hook_nccl's hook: divide by ``self.world_size``, allreduce, take the
+        future's tensor."""
+        process_group = self._get_process_group()
+
+        def allreduce_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            tensors = [bucket.buffer() / self.world_size]
+            return process_group.allreduce(tensors).get_future().then(lambda fut: fut.value()[0])
+
+        return allreduce_hook
+
+    def allreduce_with_then_hook(self) -> Callable[..., torch.futures.Future[torch.Tensor]]:
+        """test_ddp_comm_hook_allreduce_with_then_hook_nccl's hook: as :meth:`allreduce_hook`, then two
+        ``then`` callbacks multiplying by 10 and by 0.5."""
+        process_group = self._get_process_group()
+
+        def allreduce_with_then_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            tensors = [bucket.buffer() / self.world_size]
+            fut = process_group.allreduce(tensors).get_future()
+
+            def mult(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+                return 10 * fut.value()[0]
+
+            def div(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+                return 0.5 * fut.value()
+
+            return fut.then(mult).then(div)
+
+        return allreduce_with_then_hook
+
+
 def _sparse(gradient_as_bucket_view: bool = False, with_hook: bool = False) -> Scenario:
-    """Sparse ``EmbeddingBag`` gradients of half batches, averaged, equal the full batch's on one process."""
+    """Sparse ``EmbeddingBag`` gradients of half batches, averaged, equal the full batch's on one process;
+    ``with_hook``: through :meth:`HookTestCase.allreduce_hook_gloo`."""
 
     def run(ddp_class: type, group: dist.ProcessGroup) -> Observation:
         torch.manual_seed(1337)
         local = SparseBag()
         ddp = ddp_class(copy.deepcopy(local), process_group=group, gradient_as_bucket_view=gradient_as_bucket_view)
         if with_hook:
-            world = _world()
-
-            def allreduce_then_divide(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-                work = group.allreduce([bucket.buffer()])
-                return work.get_future().then(lambda fut: fut.value()[0] / world)
-
-            ddp.register_comm_hook(None, allreduce_then_divide)
+            ddp.register_comm_hook(None, HookTestCase(group).allreduce_hook_gloo())
         half = 2
         x = torch.randint(0, 10, (half * _world(), 2))
         target = torch.randint(0, 10, (half * _world(),))
@@ -338,20 +402,20 @@ def _sparse(gradient_as_bucket_view: bool = False, with_hook: bool = False) -> S
     return run
 
 
-def _future_then_hook(ddp_class: type, group: dist.ProcessGroup) -> Observation:
-    """A hook returning ``Future(ones).then(+1)`` makes every gradient 2 (0.25 without the hook)."""
+def _test_case_hook(make: Callable[[HookTestCase], Any], expected: float) -> Scenario:
+    """torch's ``_run_and_verify_hook``: a hook of a :class:`HookTestCase` on ``RankShifted``; one backward
+    of the output's mean (each rank's gradient is 0.25 everywhere) must leave ``expected`` everywhere."""
 
-    def ones_plus_one(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        fut.set_result(torch.ones_like(bucket.buffer()))
-        return fut.then(lambda done: done.value() + 1)
+    def run(ddp_class: type, group: dist.ProcessGroup) -> Observation:
+        case = HookTestCase(group)
+        ddp = ddp_class(RankShifted(), process_group=case._get_process_group())
+        ddp.register_comm_hook(None, make(case))
+        ddp(8, case.rank).mean().backward()
+        grads = _grads(ddp.module)
+        _assert_close([expected * torch.ones(2, 2)] * len(grads), grads, "gradients after the hook")
+        return {"grads": grads}
 
-    ddp = ddp_class(RankShifted(), process_group=group)
-    ddp.register_comm_hook(None, ones_plus_one)
-    ddp(8, _rank()).mean().backward()
-    grads = _grads(ddp.module)
-    _assert_close([2 * torch.ones(2, 2)] * len(grads), grads, "gradients set by the hook's future")
-    return {"grads": grads}
+    return run
 
 
 def _register(hook: Any) -> Scenario:
@@ -649,7 +713,9 @@ CHECKS: dict[str, Check] = {
     "sparse_gradients": Check(_sparse()),
     "sparse_gradients_grad_is_view": Check(_sparse(gradient_as_bucket_view=True)),
     "sparse_gradients_with_allreduce_hook": Check(_sparse(with_hook=True)),
-    "hook_future_then_value_becomes_gradient": Check(_future_then_hook),
+    "hook_future_then_value_becomes_gradient": Check(_test_case_hook(lambda case: case._simple_hook, 2.0)),
+    "hook_in_test_case_allreduce_future": Check(_test_case_hook(HookTestCase.allreduce_hook, 0.25)),
+    "hook_in_test_case_allreduce_with_then": Check(_test_case_hook(HookTestCase.allreduce_with_then_hook, 1.25)),
     "hook_not_callable_type_error": Check(_register(1), (TypeError, "Communication hook must be callable.")),
     "hook_bucket_annotation_value_error": Check(
         _register(_bucket_annotated_int), (ValueError, "bucket annotation should be dist.GradBucket.")
