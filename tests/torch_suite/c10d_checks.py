@@ -418,6 +418,64 @@ def _test_case_hook(make: Callable[[HookTestCase], Any], expected: float) -> Sce
     return run
 
 
+# torch's expected fragments of the unused-parameter error, as torch/testing/_internal/distributed/
+# distributed_test.py names them (that module needs torch's own launcher's environment to import).
+DDP_PREV_REDUCTION_UNFINISHED = "Expected to have finished reduction in the prior iteration"
+DDP_RECOMMEND_FIND_UNUSED_PARAMS = "passing the keyword argument `find_unused_parameters=True`"
+DDP_FIND_UNUSED_PARAMS_ENABLED = "Since `find_unused_parameters=True` is enabled"
+DDP_OUTPUTS_NOT_USED_IN_LOSS = "`forward` function outputs participate in calculating loss"
+DDP_SUGGEST_DEBUG_MODE = "set the environment variable TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL"
+
+
+class UnusedSecond(nn.Module):
+    """torch's ToyModel of that test: ``net2`` is never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1 = nn.Linear(10, 10, bias=False)
+        self.net2 = nn.Linear(10, 10, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net1(x)
+
+
+def _unused_parameter_error(ddp_class: type, group: dist.ProcessGroup) -> Observation:
+    """A model with an unused parameter and no ``find_unused_parameters``: the second iteration's forward
+    raises a RuntimeError carrying every fragment torch's test_ddp_unused_params_rebuild_buckets_exception
+    expects, with torch's debug level OFF (a hint at TORCH_DISTRIBUTED_DEBUG) and INFO (the parameter's
+    name); every rank raises, then meets the others at a barrier."""
+    observed = {}
+    before = dist.get_debug_level()
+    try:
+        for level in (dist.DebugLevel.OFF, dist.DebugLevel.INFO):
+            dist.set_debug_level(level)
+            ddp = ddp_class(UnusedSecond(), process_group=group)
+            ddp(torch.rand(1, 10)).sum().backward()
+            try:
+                ddp(torch.rand(1, 10)).sum().backward()
+            except RuntimeError as exc:
+                message, kind = str(exc), type(exc).__name__
+            else:
+                raise AssertionError(f"debug level {level}: no error at the second iteration")
+            expected = [
+                DDP_PREV_REDUCTION_UNFINISHED,
+                DDP_RECOMMEND_FIND_UNUSED_PARAMS,
+                DDP_OUTPUTS_NOT_USED_IN_LOSS,
+                f"Parameter indices which did not receive grad for rank {_rank()}: 1",
+                DDP_SUGGEST_DEBUG_MODE
+                if level == dist.DebugLevel.OFF
+                else f"did not receive grad for rank {_rank()}: net2.weight",
+            ]
+            missing = [fragment for fragment in expected if fragment not in message]
+            if missing or DDP_FIND_UNUSED_PARAMS_ENABLED in message:
+                raise AssertionError(f"debug level {level}: the message lacks {missing}: {message!r}")
+            observed[str(level)] = kind
+    finally:
+        dist.set_debug_level(before)
+    dist.barrier(group=group)
+    return observed
+
+
 def _register(hook: Any) -> Scenario:
     def run(ddp_class: type, group: dist.ProcessGroup) -> Observation:
         ddp_class(RankShifted(), process_group=group).register_comm_hook(state=None, hook=hook)
@@ -801,6 +859,7 @@ CHECKS: dict[str, Check] = {
         _bucket_layout([(150_000, torch.float32)] * 4 + [(60_000, torch.float64)] * 3, None)
     ),
     "construction_broadcasts_rank0_state_mixed_dtypes": Check(_construction_broadcast),
+    "unused_parameter_second_iteration_runtime_error": Check(_unused_parameter_error),
 }
 
 

@@ -27,6 +27,7 @@ from torch.distributed import ProcessGroup
 
 from gradcomm.comm import collective_device
 from gradcomm.comm.faults import ParameterDriftError
+from gradcomm.errors import GradcommError
 from gradcomm.hooks.contract import DEFAULT_HOOK_NAME, hook_name
 
 __all__ = [
@@ -39,8 +40,11 @@ __all__ = [
 ]
 
 
-class RanksDisagreeError(ValueError):
-    """Ranks registered different hooks, hook options or bucket layouts; raised on every rank alike."""
+class RanksDisagreeError(GradcommError, ValueError, RuntimeError):
+    """Ranks registered different hooks, hook options or bucket layouts; raised on every rank alike.
+
+    A ``RuntimeError``, as torch raises for ranks whose models differ, and a ``ValueError``, as it was before.
+    """
 
 
 _SCALARS = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device, enum.Enum)
