@@ -2,7 +2,8 @@
 
 Those two files are not installed with torch, so this module restates, in its own code, what their DDP and
 communication-hook cases check (``tests/torch_suite/test_c10d_behaviours.py`` maps each check to the torch
-cases it mirrors). A check is a scenario ``run(ddp_class, process_group) -> observation`` run twice in the
+cases it mirrors), with two hook cases of ``test_c10d_nccl.py`` and one case of ``distributed_test.py`` whose
+behaviour does not depend on CUDA. A check is a scenario ``run(ddp_class, process_group) -> observation`` run twice in the
 same rank: once with torch's ``DistributedDataParallel`` (the reference) and once with gradcomm's, each time
 on a fresh process group with the same seeds and data. A check passes on a rank when
 
