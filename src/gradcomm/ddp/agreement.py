@@ -59,9 +59,9 @@ def describe_hook(hook: Callable[..., Any] | None, depth: int = 16) -> str:
     """What must agree across ranks about ``hook``: the code it runs, not the data it holds.
 
     Ranks launch different collectives only if they run different code, so the fingerprint names every
-    callable reachable from ``hook``, as ``module.qualname`` followed, for code outside torch and gradcomm,
-    by ``@`` and a short hash of its code (a function's code object, nested functions included; a callable
-    object's class, all its methods). It goes through ``functools.partial`` arguments, closure cells,
+    callable reachable from ``hook`` as ``module.qualname(what it holds)``, followed, for code outside torch,
+    gradcomm and the standard library, by ``@`` and a short hash of its code (a function's code object,
+    nested functions included; a callable object's class, all its methods). It goes through ``functools.partial`` arguments, closure cells,
     default arguments, the attributes of callable objects (``Wrapper(powerSGD_hook)``), the function of a
     bound method and the callable attributes of its ``self``, and short lists or tuples of callables, down
     to ``depth`` levels. Data (ints, strings, tensors, a rank, a process group) is left out, so a closure
