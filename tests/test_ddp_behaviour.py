@@ -333,10 +333,12 @@ MESSAGES = {
     r"expected a tensor",
     "raises": r"CommHookError: Communication hook raising_hook raised on bucket 0 \(\d+ elements\): KeyError: "
     r"'missing compression table'",
-    "unused_next_forward": r"RuntimeError: Expected to have finished reduction in the prior iteration before "
+    "unused_next_forward": r"(?s)RuntimeError: Expected to have finished reduction in the prior iteration before "
     r"starting a new one\. This error indicates that your module has parameters that were not used in producing "
-    r"loss\. .*the previous backward produced no gradient for 2 parameter\(s\) .*: "
-    r"unused.weight, unused.bias\. .*find_unused_parameters=True",
+    r"loss\. You can enable unused parameter detection by passing the keyword argument "
+    r"`find_unused_parameters=True` .*\nParameters which did not receive grad for rank \d: unused.weight, "
+    r"unused.bias\nParameter indices which did not receive grad for rank \d: \d+, \d+\n.*"
+    r"the previous backward produced no gradient for 2 parameter\(s\) .*find_unused_parameters=True",
     "shape_mismatch": r"ParameterMismatchError: .*ranks disagree .* Parameter #0 is weight \(4, 8\) torch.float32 on rank 0 but "
     r"weight \(5, 8\) torch.float32 on rank 1",
     "legacy_twice": r"RuntimeError: register_comm_hook or register_builtin_comm_hook can only be called once\. Hook "

@@ -8,8 +8,10 @@ parameters, a matrix larger than the bucket cap, gradients with a zero column, r
 gradcomm's DDP or torch's (the hook registered on either: they are interchangeable) or gradcomm's legacy
 DDP, 1 to 3 micro-batches per step (gradients accumulated under ``no_sync()``), sometimes a post-accumulate-grad hook of the user's that
 scales ``.grad`` in place by a different factor on every rank (it runs before the reduction, as under torch's
-DDP), random bucket caps (0.0001 MB
-to ``None``), ``gradient_as_bucket_view`` on, off or default (``None``), random hook options, sometimes the fp16 or
+DDP), the hook often wrapped in one carrying per-rank data (a closure over the rank, a string and a tensor
+of the rank; a bound method of a callable object holding its rank; a hook defined inside such an object's
+method, closing over ``self``), which every DDP must accept (the ranks run the same code), random bucket caps
+(0.0001 MB to ``None``), ``gradient_as_bucket_view`` on, off or default (``None``), random hook options, sometimes the fp16 or
 bf16 wrapper around the hook, and 3 to 5 SGD steps (with or without momentum), after every synchronised step:
 
 (a) the replicas are bit-identical: the exact bytes of every parameter, and of every averaged gradient,
@@ -34,7 +36,7 @@ with checks (a) and (b) meanwhile).
 
 Each hook runs three explicit examples per world size (every model feature at once on gradcomm's DDP, with a
 0.0001 MB bucket cap, one parameter per bucket, and with 0.01 MB, several per bucket; and a bucket with no
-elements) and ``EXAMPLES`` generated ones. With ``GRADCOMM_TEST_DEVICE=cuda`` (and ``_BACKEND``,
+elements; each with the hook wrapped one of the three per-rank ways) and ``EXAMPLES`` generated ones. With ``GRADCOMM_TEST_DEVICE=cuda`` (and ``_BACKEND``,
 ``_WORLD_SIZES``: :mod:`tests.helpers`) the same runs on CUDA tensors; ``benchmarks/gpu_checks.sh`` does that
 on a machine with a GPU.
 
@@ -299,11 +301,13 @@ class Case:
     ddp_kind: str = "gradcomm"
     micro_batches: int = 1  # backward passes per step, all but the last under no_sync()
     user_hook: bool = False  # a post-accumulate-grad hook of the user's scales .grad by user_hook_factor(rank)
+    rank_data: str | None = None  # how the hook is wrapped with per-rank data (RANK_DATA_WRAPPERS)
 
     def describe(self) -> str:
         user = ", a user hook scaling .grad by 0.5 * (1 + rank)" if self.user_hook else ""
+        carried = f", the hook wrapped as a {self.rank_data} carrying per-rank data" if self.rank_data else ""
         return (
-            f"{self.ddp_kind}'s DDP{user}, {self.micro_batches} micro-batch(es), bucket_cap_mb={self.bucket_cap_mb}, gradient_as_bucket_view={self.bucket_view}, "
+            f"{self.ddp_kind}'s DDP{user}{carried}, {self.micro_batches} micro-batch(es), bucket_cap_mb={self.bucket_cap_mb}, gradient_as_bucket_view={self.bucket_view}, "
             f"options={dict(self.options)}, wrapper={self.wrapper}, steps={self.steps}, momentum={self.momentum}, "
             f"{self.spec.numel()} elements, {self.spec.describe()}"
         )
@@ -321,6 +325,7 @@ def cases(draw: st.DrawFn, hook: str) -> Case:
     bucket_view = draw(st.sampled_from(BUCKET_VIEWS[ddp_kind]))
     micro_batches = draw(st.sampled_from([1, 1, 2, 3]))
     user_hook = draw(st.sampled_from([False, False, True]))
+    rank_data = draw(st.sampled_from([None, *RANK_DATA_WRAPPERS]))
     return Case(
         spec,
         cap,
@@ -332,6 +337,7 @@ def cases(draw: st.DrawFn, hook: str) -> Case:
         ddp_kind,
         micro_batches,
         user_hook,
+        rank_data,
     )
 
 
@@ -348,7 +354,50 @@ def _scaling_hook(factor: float) -> Callable[[torch.Tensor], None]:
     return scale
 
 
-def explicit_case(hook: str, bucket_cap_mb: float) -> Case:
+# -- hooks carrying per-rank data ---------------------------------------------------------------------------
+# The wrapped hooks carry no annotations: torch's register_comm_hook compares them by value, and this module's
+# annotations are strings.
+class RankHolder:
+    """A callable object holding its rank and per-rank data, as an ``nn.Module`` or a ``TestCase`` does,
+    whose methods are hooks or define them."""
+
+    def __init__(self, hook: Callable[..., Any], rank: int) -> None:
+        self.hook, self.rank, self.tag, self.logged = hook, rank, f"rank {rank}", torch.full((1,), float(rank))
+
+    def __call__(self, *args: Any) -> None:
+        return None
+
+    def bound_hook(self, state, bucket):
+        return self.hook(state, bucket)
+
+    def make_hook(self) -> Callable[..., Any]:
+        def hook_in_method(state, bucket):
+            if self.rank == 0 and bucket.is_last():
+                self.logged += 1
+            return self.hook(state, bucket)
+
+        return hook_in_method
+
+
+def _rank_closure(hook: Callable[..., Any], rank: int) -> Callable[..., Any]:
+    tag, logged = f"rank {rank}", torch.full((1,), float(rank))
+
+    def rank_closure_hook(state, bucket):
+        if rank == 0 and tag and bucket.is_last():
+            logged.add_(1)
+        return hook(state, bucket)
+
+    return rank_closure_hook
+
+
+RANK_DATA_WRAPPERS: dict[str, Callable[[Callable[..., Any], int], Callable[..., Any]]] = {
+    "closure over the rank": _rank_closure,
+    "bound method": lambda hook, rank: RankHolder(hook, rank).bound_hook,
+    "closure in a method": lambda hook, rank: RankHolder(hook, rank).make_hook(),
+}
+
+
+def explicit_case(hook: str, bucket_cap_mb: float, rank_data: str | None = None) -> Case:
     """The examples every hook runs first: every model feature at once, 4 steps; with a tiny bucket cap
     (every parameter in a bucket of its own) and with a cap that puts several parameters in a bucket."""
     options = dict(FIXED_OPTIONS.get(hook, {}))
@@ -358,14 +407,15 @@ def explicit_case(hook: str, bucket_cap_mb: float) -> Case:
         options.update(min_compression_rate=0.0)
     if hook == "post_localsgd":
         options.update(post_local_gradient_allreduce=False)
-    return Case(full_feature_spec(bucket_cap_mb), bucket_cap_mb, tuple(sorted(options.items())), 4, 0.9)
+    spec = full_feature_spec(bucket_cap_mb)
+    return Case(spec, bucket_cap_mb, tuple(sorted(options.items())), 4, 0.9, rank_data=rank_data)
 
 
 def empty_bucket_case(hook: str) -> Case:
     """The third example every hook runs: a bucket with no elements. The only float64 parameter is empty, so
     it has a bucket of its own (one per dtype), beside a float32 matrix; 3 steps, past the warm-ups."""
     spec = ModelSpec(params=(ParamSpec((0,), "float64"), ParamSpec((67, 68), zero="column")), tied=(1,), seed=2)
-    return replace(explicit_case(hook, 0.01), spec=spec, steps=3)
+    return replace(explicit_case(hook, 0.01, "bound method"), spec=spec, steps=3)
 
 
 def _make_ddp(case: Case, model: PropertyModel, group: dist.ProcessGroup) -> torch.nn.Module:
@@ -565,6 +615,8 @@ def _run_case(hook: str, case: Case, where: str) -> str | None:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(_scaling_hook(user_hook_factor(dist.get_rank())))
         hook_fn, state = make_comm_hook(hook, process_group=group, wrapper=case.wrapper, **dict(case.options))
+        if case.rank_data is not None:
+            hook_fn = RANK_DATA_WRAPPERS[case.rank_data](hook_fn, dist.get_rank())
         ddp.register_comm_hook(state, hook_fn)
         optimizer = SGD(list(model.parameters()), LEARNING_RATE, case.momentum)
         frozen = {name: _digest(p) for name, p in model.named_parameters() if not p.requires_grad}
@@ -630,8 +682,8 @@ def check_hook(hook: str, examples: int, shrink: bool) -> dict[str, Any]:
         report_multiple_bugs=False,
         print_blob=False,
     )
-    @example(case=explicit_case(hook, 0.0001))
-    @example(case=explicit_case(hook, 0.01))
+    @example(case=explicit_case(hook, 0.0001, "closure over the rank"))
+    @example(case=explicit_case(hook, 0.01, "closure in a method"))
     @example(case=empty_bucket_case(hook))
     @given(case=cases(hook))
     def property_holds(case: Case) -> None:

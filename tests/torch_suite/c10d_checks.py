@@ -2,7 +2,8 @@
 
 Those two files are not installed with torch, so this module restates, in its own code, what their DDP and
 communication-hook cases check (``tests/torch_suite/test_c10d_behaviours.py`` maps each check to the torch
-cases it mirrors). A check is a scenario ``run(ddp_class, process_group) -> observation`` run twice in the
+cases it mirrors), with two hook cases of ``test_c10d_nccl.py`` and one case of ``distributed_test.py`` whose
+behaviour does not depend on CUDA. A check is a scenario ``run(ddp_class, process_group) -> observation`` run twice in the
 same rank: once with torch's ``DistributedDataParallel`` (the reference) and once with gradcomm's, each time
 on a fresh process group with the same seeds and data. A check passes on a rank when
 
@@ -25,6 +26,7 @@ import os
 import random
 import tempfile
 import traceback
+import unittest
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -308,21 +310,84 @@ def _ignored_output(spare: bool) -> Scenario:
     return run
 
 
+class HookTestCase(unittest.TestCase):
+    """Shaped, as far as its hooks see it, like the ``MultiProcessTestCase`` of torch's hook tests: a callable
+    object holding this rank's ``rank``, its ``world_size`` and the process group. torch's tests define their
+    hooks inside its methods (capturing ``self``, which differs on every rank) or register its bound methods;
+    both DDPs must accept those hooks, as they carry the same code on every rank."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        super().__init__()  # "runTest": a TestCase built outside a test runner
+        self.rank, self.world_size, self.process_group = _rank(), _world(), group
+
+    def _get_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
+
+    def _simple_hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """torch's ``_simple_hook``: a completed future of ones, then ``+ 1``."""
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(torch.ones_like(bucket.buffer()))
+
+        def fut_then(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            t = fut.value()
+            return t + torch.ones_like(t)
+
+        return fut.then(fut_then)
+
+    def allreduce_hook_gloo(self) -> Callable[..., torch.futures.Future[torch.Tensor]]:
+        """test_ddp_comm_hook_sparse_gradients's hook: allreduce, then divide by ``self.world_size``."""
+        process_group = self._get_process_group()
+
+        def allreduce_hook_gloo(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            def div_by_world_size(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+                return fut.wait()[0] / self.world_size
+
+            fut = process_group.allreduce([bucket.buffer()]).get_future()
+            return fut.then(div_by_world_size)
+
+        return allreduce_hook_gloo
+
+    def allreduce_hook(self) -> Callable[..., torch.futures.Future[torch.Tensor]]:
+        """test_ddp_comm_hook_allreduce_hook_nccl's hook: divide by ``self.world_size``, allreduce, take the
+        future's tensor."""
+        process_group = self._get_process_group()
+
+        def allreduce_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            tensors = [bucket.buffer() / self.world_size]
+            return process_group.allreduce(tensors).get_future().then(lambda fut: fut.value()[0])
+
+        return allreduce_hook
+
+    def allreduce_with_then_hook(self) -> Callable[..., torch.futures.Future[torch.Tensor]]:
+        """test_ddp_comm_hook_allreduce_with_then_hook_nccl's hook: as :meth:`allreduce_hook`, then two
+        ``then`` callbacks multiplying by 10 and by 0.5."""
+        process_group = self._get_process_group()
+
+        def allreduce_with_then_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            tensors = [bucket.buffer() / self.world_size]
+            fut = process_group.allreduce(tensors).get_future()
+
+            def mult(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+                return 10 * fut.value()[0]
+
+            def div(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+                return 0.5 * fut.value()
+
+            return fut.then(mult).then(div)
+
+        return allreduce_with_then_hook
+
+
 def _sparse(gradient_as_bucket_view: bool = False, with_hook: bool = False) -> Scenario:
-    """Sparse ``EmbeddingBag`` gradients of half batches, averaged, equal the full batch's on one process."""
+    """Sparse ``EmbeddingBag`` gradients of half batches, averaged, equal the full batch's on one process;
+    ``with_hook``: through :meth:`HookTestCase.allreduce_hook_gloo`."""
 
     def run(ddp_class: type, group: dist.ProcessGroup) -> Observation:
         torch.manual_seed(1337)
         local = SparseBag()
         ddp = ddp_class(copy.deepcopy(local), process_group=group, gradient_as_bucket_view=gradient_as_bucket_view)
         if with_hook:
-            world = _world()
-
-            def allreduce_then_divide(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-                work = group.allreduce([bucket.buffer()])
-                return work.get_future().then(lambda fut: fut.value()[0] / world)
-
-            ddp.register_comm_hook(None, allreduce_then_divide)
+            ddp.register_comm_hook(None, HookTestCase(group).allreduce_hook_gloo())
         half = 2
         x = torch.randint(0, 10, (half * _world(), 2))
         target = torch.randint(0, 10, (half * _world(),))
@@ -338,20 +403,78 @@ def _sparse(gradient_as_bucket_view: bool = False, with_hook: bool = False) -> S
     return run
 
 
-def _future_then_hook(ddp_class: type, group: dist.ProcessGroup) -> Observation:
-    """A hook returning ``Future(ones).then(+1)`` makes every gradient 2 (0.25 without the hook)."""
+def _test_case_hook(make: Callable[[HookTestCase], Any], expected: float) -> Scenario:
+    """torch's ``_run_and_verify_hook``: a hook of a :class:`HookTestCase` on ``RankShifted``; one backward
+    of the output's mean (each rank's gradient is 0.25 everywhere) must leave ``expected`` everywhere."""
 
-    def ones_plus_one(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        fut.set_result(torch.ones_like(bucket.buffer()))
-        return fut.then(lambda done: done.value() + 1)
+    def run(ddp_class: type, group: dist.ProcessGroup) -> Observation:
+        case = HookTestCase(group)
+        ddp = ddp_class(RankShifted(), process_group=case._get_process_group())
+        ddp.register_comm_hook(None, make(case))
+        ddp(8, case.rank).mean().backward()
+        grads = _grads(ddp.module)
+        _assert_close([expected * torch.ones(2, 2)] * len(grads), grads, "gradients after the hook")
+        return {"grads": grads}
 
-    ddp = ddp_class(RankShifted(), process_group=group)
-    ddp.register_comm_hook(None, ones_plus_one)
-    ddp(8, _rank()).mean().backward()
-    grads = _grads(ddp.module)
-    _assert_close([2 * torch.ones(2, 2)] * len(grads), grads, "gradients set by the hook's future")
-    return {"grads": grads}
+    return run
+
+
+# torch's expected fragments of the unused-parameter error, as torch/testing/_internal/distributed/
+# distributed_test.py names them (that module needs torch's own launcher's environment to import).
+DDP_PREV_REDUCTION_UNFINISHED = "Expected to have finished reduction in the prior iteration"
+DDP_RECOMMEND_FIND_UNUSED_PARAMS = "passing the keyword argument `find_unused_parameters=True`"
+DDP_FIND_UNUSED_PARAMS_ENABLED = "Since `find_unused_parameters=True` is enabled"
+DDP_OUTPUTS_NOT_USED_IN_LOSS = "`forward` function outputs participate in calculating loss"
+DDP_SUGGEST_DEBUG_MODE = "set the environment variable TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL"
+
+
+class UnusedSecond(nn.Module):
+    """torch's ToyModel of that test: ``net2`` is never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1 = nn.Linear(10, 10, bias=False)
+        self.net2 = nn.Linear(10, 10, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net1(x)
+
+
+def _unused_parameter_error(ddp_class: type, group: dist.ProcessGroup) -> Observation:
+    """A model with an unused parameter and no ``find_unused_parameters``: the second iteration's forward
+    raises a RuntimeError carrying every fragment torch's test_ddp_unused_params_rebuild_buckets_exception
+    expects, with torch's debug level OFF (a hint at TORCH_DISTRIBUTED_DEBUG) and INFO (the parameter's
+    name); every rank raises, then meets the others at a barrier."""
+    observed = {}
+    before = dist.get_debug_level()
+    try:
+        for level in (dist.DebugLevel.OFF, dist.DebugLevel.INFO):
+            dist.set_debug_level(level)
+            ddp = ddp_class(UnusedSecond(), process_group=group)
+            ddp(torch.rand(1, 10)).sum().backward()
+            try:
+                ddp(torch.rand(1, 10)).sum().backward()
+            except RuntimeError as exc:
+                message, kind = str(exc), type(exc).__name__
+            else:
+                raise AssertionError(f"debug level {level}: no error at the second iteration")
+            expected = [
+                DDP_PREV_REDUCTION_UNFINISHED,
+                DDP_RECOMMEND_FIND_UNUSED_PARAMS,
+                DDP_OUTPUTS_NOT_USED_IN_LOSS,
+                f"Parameter indices which did not receive grad for rank {_rank()}: 1",
+                DDP_SUGGEST_DEBUG_MODE
+                if level == dist.DebugLevel.OFF
+                else f"did not receive grad for rank {_rank()}: net2.weight",
+            ]
+            missing = [fragment for fragment in expected if fragment not in message]
+            if missing or DDP_FIND_UNUSED_PARAMS_ENABLED in message:
+                raise AssertionError(f"debug level {level}: the message lacks {missing}: {message!r}")
+            observed[str(level)] = kind
+    finally:
+        dist.set_debug_level(before)
+    dist.barrier(group=group)
+    return observed
 
 
 def _register(hook: Any) -> Scenario:
@@ -649,7 +772,9 @@ CHECKS: dict[str, Check] = {
     "sparse_gradients": Check(_sparse()),
     "sparse_gradients_grad_is_view": Check(_sparse(gradient_as_bucket_view=True)),
     "sparse_gradients_with_allreduce_hook": Check(_sparse(with_hook=True)),
-    "hook_future_then_value_becomes_gradient": Check(_future_then_hook),
+    "hook_future_then_value_becomes_gradient": Check(_test_case_hook(lambda case: case._simple_hook, 2.0)),
+    "hook_in_test_case_allreduce_future": Check(_test_case_hook(HookTestCase.allreduce_hook, 0.25)),
+    "hook_in_test_case_allreduce_with_then": Check(_test_case_hook(HookTestCase.allreduce_with_then_hook, 1.25)),
     "hook_not_callable_type_error": Check(_register(1), (TypeError, "Communication hook must be callable.")),
     "hook_bucket_annotation_value_error": Check(
         _register(_bucket_annotated_int), (ValueError, "bucket annotation should be dist.GradBucket.")
@@ -735,6 +860,7 @@ CHECKS: dict[str, Check] = {
         _bucket_layout([(150_000, torch.float32)] * 4 + [(60_000, torch.float64)] * 3, None)
     ),
     "construction_broadcasts_rank0_state_mixed_dtypes": Check(_construction_broadcast),
+    "unused_parameter_second_iteration_runtime_error": Check(_unused_parameter_error),
 }
 
 

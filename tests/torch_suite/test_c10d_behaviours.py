@@ -10,7 +10,10 @@ with gradcomm's DDP are strict xfails carrying the first line of what fails, so 
 cases of those files that are not mirrored, with the reason. Cases of both files that build no DDP
 (process-group collectives, stores, backends, rendezvous) are out of scope: ``OUT_OF_SCOPE`` lists their
 classes. Several mirrored cases are gated on 2 GPUs in torch only because they also build a CUDA replica or
-pass ``device_ids``; the behaviour they check does not depend on the device, so it is checked here on CPU.
+pass ``device_ids``; the behaviour they check does not depend on the device, so it is checked here on CPU. Two
+hook cases of ``test_c10d_nccl.py`` (hooks defined inside a test method, capturing the per-rank ``self``) are
+mirrored the same way, on CPU over gloo, and so is the unused-parameter error of torch's installed
+``distributed_test.py`` (CUDA-gated there).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from tests.torch_suite.c10d_checks import CHECKS, PASS, REFERENCE, run_checks
 GLOO = "test_c10d_gloo.py::DistributedDataParallelTest"
 COMMON = "test_c10d_common.py::CommonDistributedDataParallelTest"
 BUCKETS = "test_c10d_common.py::ComputeBucketAssignmentTest"
+NCCL = "test_c10d_nccl.py::DistributedDataParallelTest"
 
 MIRRORED: dict[str, list[str]] = {
     "cpu_module_matches_local_training": [f"{GLOO}.test_gloo_backend_cpu_module"],
@@ -35,6 +39,8 @@ MIRRORED: dict[str, list[str]] = {
     "sparse_gradients_grad_is_view": [f"{GLOO}.test_sparse_gradients_grad_is_view"],
     "sparse_gradients_with_allreduce_hook": [f"{GLOO}.test_ddp_comm_hook_sparse_gradients"],
     "hook_future_then_value_becomes_gradient": [f"{GLOO}.test_ddp_comm_hook_future_passing_cpu"],
+    "hook_in_test_case_allreduce_future": [f"{NCCL}.test_ddp_comm_hook_allreduce_hook_nccl"],
+    "hook_in_test_case_allreduce_with_then": [f"{NCCL}.test_ddp_comm_hook_allreduce_with_then_hook_nccl"],
     "hook_not_callable_type_error": [f"{GLOO}.test_ddp_invalid_comm_hook_init"],
     "hook_bucket_annotation_value_error": [f"{GLOO}.test_ddp_invalid_comm_hook_init"],
     "hook_return_annotation_value_error": [f"{GLOO}.test_ddp_invalid_comm_hook_return_type"],
@@ -93,6 +99,9 @@ MIRRORED: dict[str, list[str]] = {
         f"{BUCKETS}.test_multi_limit_multi_dtype",
     ],
     "construction_broadcasts_rank0_state_mixed_dtypes": ["test_c10d_gloo.py::CommTest.test_broadcast_coalesced_gloo_cpu"],
+    "unused_parameter_second_iteration_runtime_error": [
+        "distributed_test.py::DistributedTest.test_ddp_unused_params_rebuild_buckets_exception"
+    ],
 }
 
 NOT_MIRRORED: dict[str, str] = {

@@ -33,6 +33,7 @@ from typing import Any
 
 from gradcomm.bench.runner import BENCH_OPTION_DEFAULTS, BenchConfig, HookChoice, hook_options
 from gradcomm.bench.workloads import WORKLOADS
+from gradcomm.errors import GradcommError
 
 __all__ = ["DEFAULT_HOOKS", "add_arguments", "run"]
 
@@ -47,7 +48,7 @@ DEFAULT_HOOKS = (
 )
 
 
-class BenchError(Exception):
+class BenchError(GradcommError):
     """A problem to report in one line (exit status 2 for bad input, 1 for a failed run)."""
 
     def __init__(self, message: str, status: int = 2) -> None:

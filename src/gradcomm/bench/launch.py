@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from gradcomm.errors import GradcommError
 from gradcomm.testing.processes import Cause, Outcome, launch
 
 __all__ = ["RankFailure", "run_ranks"]
@@ -29,7 +30,7 @@ __all__ = ["RankFailure", "run_ranks"]
 _LOG_TAIL_LINES = 40
 
 
-class RankFailure(RuntimeError):
+class RankFailure(GradcommError, RuntimeError):
     """A rank raised, died, or the run passed its timeout; every rank process has been killed.
 
     ``str(error)`` is one line naming the rank that failed first and its log; ``report`` is the whole story

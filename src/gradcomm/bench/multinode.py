@@ -37,6 +37,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from gradcomm.errors import GradcommError
 from gradcomm.testing.network import HostNetwork
 from gradcomm.testing.processes import log_rank_output, set_parent_death_signal
 
@@ -56,7 +57,7 @@ _POLL_SECONDS = 0.2
 _STOP_SECONDS = 10.0  # for torchrun to end its ranks after SIGTERM, before everything left is killed
 
 
-class HostsFailure(RuntimeError):
+class HostsFailure(GradcommError, RuntimeError):
     """A host's torchrun failed, or the run passed its timeout; every process and namespace is gone.
 
     ``str(error)`` is one line naming the failed host, the first failed rank where torchrun says which, and

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradcomm.errors import GradcommError
+
 __all__ = [
     "NonFiniteGradientError",
     "ParameterDriftError",
@@ -32,7 +34,7 @@ __all__ = [
 _DistBackendError: type[RuntimeError] = getattr(dist, "DistBackendError", RuntimeError)
 
 
-class PeerLostError(_DistBackendError):  # type: ignore[misc, valid-type]
+class PeerLostError(GradcommError, _DistBackendError):  # type: ignore[misc, valid-type]
     """A collective failed on this rank because a peer died, stalled past the timeout or failed first.
 
     A ``torch.distributed.DistBackendError`` (so a ``DistError`` and a ``RuntimeError``), what torch raises
@@ -51,11 +53,15 @@ class PeerLostError(_DistBackendError):  # type: ignore[misc, valid-type]
         self.where = where
 
 
-class NonFiniteGradientError(FloatingPointError):
-    """A gradient held NaN or infinity before it was communicated (``check_finite=True``)."""
+class NonFiniteGradientError(GradcommError, FloatingPointError, RuntimeError):
+    """A gradient held NaN or infinity before it was communicated (``check_finite=True``).
+
+    A ``RuntimeError``, as torch's ``clip_grad_norm_(error_if_nonfinite=True)`` raises for non-finite
+    gradients, and a ``FloatingPointError``, as it was before.
+    """
 
 
-class ParameterDriftError(RuntimeError):
+class ParameterDriftError(GradcommError, RuntimeError):
     """The ranks' parameters are no longer identical (``check_parameters_every``); raised on every rank."""
 
 

@@ -13,6 +13,8 @@ import re
 from collections.abc import Callable
 from typing import IO, Any
 
+from gradcomm.errors import GradcommError
+
 __all__ = [
     "FORMAT",
     "MANIFEST",
@@ -46,10 +48,12 @@ PARTIAL = ".partial"
 RANK_FILE = re.compile(r"rank(?P<rank>\d+)(?:-(?P<id>[0-9a-f]{32}))?\.pt(?P<partial>\.partial)?")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(GradcommError, ValueError, RuntimeError):
     """A folder holds no complete checkpoint for this run, or a rank cannot load its part of it.
 
-    :func:`load_checkpoint` raises it on every rank alike (same message), before loading anything.
+    :func:`load_checkpoint` raises it on every rank alike (same message), before loading anything. A
+    ``RuntimeError``, as torch's ``load_state_dict`` raises for a state that does not fit, and a ``ValueError``,
+    as it was before.
     """
 
 

@@ -52,6 +52,7 @@ from gradcomm.ddp.torch_compat import (
     refuse_unsupported_arguments,
     resolve_buffer_sync,
 )
+from gradcomm.errors import GradcommError
 from gradcomm.hooks import parameter_keys
 from gradcomm.hooks.contract import CommHook
 
@@ -67,7 +68,7 @@ def _require_process_group(process_group: ProcessGroup | None, who: str) -> Proc
     return process_group if process_group is not None else dist.group.WORLD
 
 
-class ParameterMismatchError(ValueError, RuntimeError):
+class ParameterMismatchError(GradcommError, ValueError, RuntimeError):
     """The ranks' models differ in their parameters (a ``RuntimeError`` as torch's, and a ``ValueError``)."""
 
 

@@ -116,7 +116,7 @@ class Reducer(ReducerSurface):
         self._ready_order: list[int] = []
         self._has_rebuilt = False
         self._rebuild_order: list[int] | None = None
-        self._unfinished: list[str] = []
+        self._unfinished: list[int] = []  # the parameters a started backward left without gradient
         self._armed = False
         # which parameters got a gradient since the last synchronised step (no_sync iterations included)
         self._used_map = torch.zeros(len(self._params), dtype=torch.int32)
@@ -156,8 +156,10 @@ class Reducer(ReducerSurface):
         self.check_usable()
         self._take_unfinished()
         if self._unfinished:
-            names, self._unfinished = self._unfinished, []
-            raise unfinished_reduction_error(names, self._static.enabled)
+            indices, self._unfinished = self._unfinished, []
+            names = [self._names[i] for i in indices]
+            rank = dist.get_rank(self._group)
+            raise unfinished_reduction_error(names, indices, rank, self._static.enabled, self._find_unused)
         if not self._runner.setup_checked:
             self._runner.check_same_setup(self._setup())
         if self._rebuild_order is not None:
@@ -246,8 +248,11 @@ class Reducer(ReducerSurface):
     def _take_unfinished(self) -> None:
         """Record the parameters a started backward left without gradient (its buckets were never reduced)."""
         if self._armed and self._started:
-            self._unfinished = [self._names[i] for i in range(len(self._params)) if not self._ready[i]]
+            self._unfinished = self._unready()
             self._armed = False
+
+    def _unready(self) -> list[int]:
+        return [i for i in range(len(self._params)) if not self._ready[i]]
 
     # -- bucket layout -------------------------------------------------------------------------------------
     def _build_buckets(self, groups: list[list[int]]) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
+
 from gradcomm.comm.faults import reporting_lost_peers
 from gradcomm.ddp.telemetry import CommStats
 from gradcomm.ddp.unused import UsedParameters
@@ -33,26 +35,70 @@ def marked_twice_error(name: str) -> RuntimeError:
     )
 
 
-def unfinished_reduction_error(names: list[str], static_graph: bool) -> RuntimeError:
-    """The previous synchronised backward left parameters ``names`` without a gradient, so their buckets were
-    never reduced; raised at the next forward, as torch does, with torch's sentence first."""
-    torch_sentence = (
-        "Expected to have finished reduction in the prior iteration before starting a new one. This error "
-        + (
-            "indicates that your training graph has changed in this iteration, e.g., one parameter is used in "
-            "first iteration, but then got unused in the second iteration. this is not compatible with "
-            "static_graph set to True."
-            if static_graph
-            else "indicates that your module has parameters that were not used in producing loss."
-        )
+# torch's C++ reducer's message (Reducer::ensure_prior_reduction_finished), part by part, so code and tests
+# matching any of its sentences match gradcomm's.
+_UNFINISHED = (
+    "Expected to have finished reduction in the prior iteration before starting a new one. This error "
+    "indicates that your module has parameters that were not used in producing loss. "
+)
+_UNFINISHED_STATIC = (
+    "Expected to have finished reduction in the prior iteration before starting a new one. This error "
+    "indicates that your training graph has changed in this iteration, e.g., one parameter is used in first "
+    "iteration, but then got unused in the second iteration. this is not compatible with static_graph set to "
+    "True."
+)
+_ENABLE_FIND_UNUSED = (
+    "You can enable unused parameter detection by passing the keyword argument `find_unused_parameters=True` "
+    "to `torch.nn.parallel.DistributedDataParallel`, and by \n"
+)
+_FIND_UNUSED_ENABLED = (
+    "Since `find_unused_parameters=True` is enabled, this likely  means that not all `forward` outputs "
+    "participate in computing loss. You can fix this by "
+)
+_OUTPUTS_IN_LOSS = "making sure all `forward` function outputs participate in calculating loss. "
+_OUTPUTS_NOT_FOUND = (
+    "\nIf you already have done the above, then the distributed data parallel module wasn't able to locate the "
+    "output tensors in the return value of your module's `forward` function. Please include the loss function "
+    "and the structure of the return value of `forward` of your module when reporting this issue (e.g. list, "
+    "dict, iterable)."
+)
+_DEBUG_HINT = (
+    "\n In addition, you can set the environment variable TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL to "
+    "print out information about which particular parameters did not receive gradient on this rank as part of "
+    "this error"
+)
+
+
+def unfinished_reduction_error(
+    names: list[str], indices: list[int], rank: int, static_graph: bool, find_unused: bool
+) -> RuntimeError:
+    """The previous synchronised backward left parameters ``names`` (``indices`` among the DDP's parameters)
+    without a gradient on group rank ``rank``, so their buckets were never reduced; raised at the next forward,
+    as torch does, with torch's whole message first (its debug-level hint where torch gives it), then
+    gradcomm's: the parameters are always named."""
+    if static_graph:
+        torch_text = _UNFINISHED_STATIC
+    elif find_unused:
+        torch_text = _UNFINISHED + _FIND_UNUSED_ENABLED + _OUTPUTS_IN_LOSS + _OUTPUTS_NOT_FOUND
+    else:
+        torch_text = _UNFINISHED + _ENABLE_FIND_UNUSED + _OUTPUTS_IN_LOSS + _OUTPUTS_NOT_FOUND
+    torch_text += (
+        f"\nParameters which did not receive grad for rank {rank}: {', '.join(names)}"
+        f"\nParameter indices which did not receive grad for rank {rank}: {', '.join(map(str, indices))}"
     )
-    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    if dist.get_debug_level() == dist.DebugLevel.OFF:
+        torch_text += _DEBUG_HINT
+    advice = (
+        "construct the DDP without static_graph if the set of used parameters changes between iterations"
+        if static_graph
+        else "if these parameters are unused in forward on purpose, pass find_unused_parameters=True and make "
+        "every output take part in the loss; if they are not trained, set requires_grad=False on them before "
+        "wrapping the model"
+    )
     return RuntimeError(
-        f"{torch_sentence} gradcomm.DistributedDataParallel: the previous backward produced no gradient for "
-        f"{len(names)} parameter(s) that take part in reduction: {shown}. Their buckets could not be "
-        "reduced, so that iteration's gradients were not synchronised. If these parameters are unused "
-        "in forward on purpose, pass find_unused_parameters=True; if they are not trained, set "
-        "requires_grad=False on them before wrapping the model."
+        f"{torch_text}\ngradcomm.DistributedDataParallel: the previous backward produced no gradient for "
+        f"{len(names)} parameter(s) that take part in reduction, so their buckets could not be reduced and "
+        f"that iteration's gradients were not synchronised: {advice}."
     )
 
 
@@ -212,7 +258,7 @@ class ReducerSurface:
     def check_finalized(self) -> None:
         """Raise if the last synchronised backward left buckets unreduced (torch's ``_check_reducer_finalized``)."""
         if self._unfinished or (self._armed and self._started):
-            unready = self._unfinished or [self._names[i] for i in range(len(self._params)) if not self._ready[i]]
+            unready = [self._names[i] for i in self._unfinished or self._unready()]
             raise RuntimeError(
                 "gradcomm.DistributedDataParallel: the last backward did not finish reducing: no gradient "
                 f"arrived for {', '.join(unready[:10])}. Pass find_unused_parameters=True if they are unused on "

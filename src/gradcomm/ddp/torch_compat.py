@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from gradcomm.errors import GradcommError
 from gradcomm.hooks.contract import check_hook
 
 __all__ = [
@@ -40,14 +41,14 @@ logger = logging.getLogger(__name__)
 _OWNER = "gradcomm.DistributedDataParallel"
 
 
-class UnsupportedArgumentError(NotImplementedError, ValueError):
+class UnsupportedArgumentError(GradcommError, NotImplementedError, ValueError):
     """A torch DDP constructor argument gradcomm's DDP does not implement was given a non-default value.
 
     A ``NotImplementedError`` (so a ``RuntimeError``) and a ``ValueError``, what torch raises for bad values.
     """
 
 
-class UnsupportedTorchMethodError(NotImplementedError):
+class UnsupportedTorchMethodError(GradcommError, NotImplementedError):
     """A torch-DDP-internal method that has no meaning for gradcomm's Python reducer was called."""
 
 

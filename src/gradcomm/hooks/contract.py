@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomm.comm.faults import is_communication_failure, lost_contact, rank_and_step
+from gradcomm.errors import GradcommError
 from gradcomm.hooks.grad_bucket import GradBucket
 
 __all__ = [
@@ -50,7 +51,7 @@ _SPARSE_HINT = (
 """What a hook failure on a sparse bucket says: the likely cause and what to do."""
 
 
-class CommHookError(RuntimeError):
+class CommHookError(GradcommError, RuntimeError):
     """A communication hook raised, or its future failed, on a bucket.
 
     A ``RuntimeError``, as what torch's DDP raises for these, so ``except RuntimeError`` written for torch

@@ -29,12 +29,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from gradcomm.errors import GradcommError
 from gradcomm.testing.processes import Cause, Outcome, free_port, launch
 
 __all__ = ["RankError", "free_port", "run_on_ranks"]
 
 
-class RankError(RuntimeError):
+class RankError(GradcommError, RuntimeError):
     """A rank raised, exited without reporting, or did not finish within the timeout."""
 
     def __init__(self, message: str, rank: int | None = None, remote_traceback: str | None = None):

@@ -14,6 +14,8 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
+from gradcomm.errors import GradcommError
+
 __all__ = ["NetworkSetupError"]
 
 log = logging.getLogger(__name__)
@@ -21,7 +23,7 @@ log = logging.getLogger(__name__)
 _COMMAND_TIMEOUT_S = 30.0
 
 
-class NetworkSetupError(RuntimeError):
+class NetworkSetupError(GradcommError, RuntimeError):
     """The emulated network could not be built, entered or removed; the message says what and why."""
 
 
