@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradcomm.bench.workloads import WORKLOADS, Workload
+from gradcomm.comm.faults import derived_group_timeout
 from gradcomm.ddp.distributed import DistributedDataParallel
 from gradcomm.hooks.registry import check_options, make_comm_hook, resolve_hook_name
 from gradcomm.testing.network import link_byte_counters
@@ -228,17 +229,23 @@ def run_hook(
     )
 
 
+def solo_groups() -> list[Any]:
+    """A group of each rank alone, for measuring compute without the network; a collective: every rank creates
+    every group, in the same order. Each takes the default group's timeout, as every group gradcomm makes."""
+    timeout = derived_group_timeout()
+    return [dist.new_group([r], timeout=timeout) for r in range(dist.get_world_size())]
+
+
 def bench_rank(config: BenchConfig, progress_queue: Any = None) -> list[dict[str, Any]]:
     """Run every hook of ``config`` on this rank; return one :class:`HookRun` dict per hook."""
     workload = WORKLOADS[config.workload](device=config.device)
     rank = dist.get_rank()
-    # every rank must create every group, in the same order
-    solo_groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    solo = solo_groups()
     report = None
     if progress_queue is not None and rank == 0:
         def report(label: str, step: int) -> None:
             progress_queue.put((label, step))
 
-    runs = [run_hook(workload, choice, config, solo_groups[rank], report).as_dict() for choice in config.hooks]
+    runs = [run_hook(workload, choice, config, solo[rank], report).as_dict() for choice in config.hooks]
     dist.barrier()
     return runs
