@@ -33,7 +33,7 @@ from torch import nn
 from gradcomm.bench.workloads import WORKLOADS, Workload
 from gradcomm.comm.faults import derived_group_timeout
 from gradcomm.ddp.distributed import DistributedDataParallel
-from gradcomm.hooks.registry import check_options, make_comm_hook, resolve_hook_name
+from gradcomm.hooks.registry import apply_option_defaults, check_options, make_comm_hook, resolve_hook_name
 from gradcomm.testing.network import link_byte_counters
 
 __all__ = ["BenchConfig", "HookChoice", "HookRun", "bench_rank", "hook_options"]
@@ -71,10 +71,19 @@ class HookChoice:
         return f"{self.name}({', '.join(f'{shown.get(k, k)}={v}' for k, v in self.options)})"
 
     def with_defaults(self, defaults: dict[str, Any]) -> dict[str, Any]:
-        """This choice's options over the bench defaults that its hook accepts and does not fix itself."""
-        merged = {k: v for k, v in defaults.items() if k in hook_options(self.name)}
-        merged.update(self.options)
-        return merged
+        """This choice's options with the bench ``defaults`` added wherever a hook of the choice takes them and
+        the choice does not set them: the hook, ``hierarchical``'s inner hook, ``auto``'s candidates
+        (:func:`gradcomm.hooks.registry.apply_option_defaults`)."""
+        return apply_option_defaults(self.name, dict(self.options), defaults)
+
+    def resolved(self, defaults: dict[str, Any]) -> HookChoice:
+        """This choice with the options it runs with (:meth:`with_defaults`), so that its label shows them all."""
+        return HookChoice(self.name, tuple((key, str(value)) for key, value in self.with_defaults(defaults).items()))
+
+    def takes(self, key: str, value: Any) -> bool:
+        """Whether a bench default ``key=value`` would reach a hook of this choice that does not set it."""
+        options = {k: v for k, v in self.options if k != key}
+        return apply_option_defaults(self.name, options, {key: value}) != options
 
     def checked_options(self, defaults: dict[str, Any]) -> dict[str, Any]:
         """:meth:`with_defaults`, converted and checked as the ranks' ``make_comm_hook`` will.
