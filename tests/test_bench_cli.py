@@ -107,7 +107,8 @@ def test_bench_writes_table_json_csv_and_plot(tmp_path: Path) -> None:
     out = tmp_path / "run"
     done = subprocess.run(
         [*GRADCOMM, "bench", "--workload", "cnn", "--steps", "8", "--warmup", "2",
-         "--hooks", "allreduce", "fp16_compress", "--project", "100mbit", "--output", str(out)],
+         "--hooks", "allreduce", "fp16_compress", "hierarchical:inner=powersgd", "--project", "100mbit",
+         "--output", str(out)],
         capture_output=True, text=True, timeout=280,
     )
     assert done.returncode == 0, done.stderr
@@ -118,7 +119,11 @@ def test_bench_writes_table_json_csv_and_plot(tmp_path: Path) -> None:
     assert f"results written to {out}" in done.stdout
     document = json.loads((out / "results.json").read_text())
     summaries = {s["label"]: s for s in document["summaries"]}
-    assert set(summaries) == {"allreduce", "fp16_compress"}
+    # the bench's default start_powerSGD_iter reaches the inner hook, and the row says so
+    hierarchical = "hierarchical(inner=powersgd, start_powerSGD_iter=10)"
+    assert set(summaries) == {"allreduce", "fp16_compress", hierarchical}
+    assert hierarchical in done.stdout
+    assert document["runs_by_rank"][0][2]["options"] == {"inner": "powersgd", "start_powerSGD_iter": "10"}
     assert document["config"]["data"] == "generated from fixed seeds"
     # the CNN has 283,978 float32 parameters (320 + 64 + 18,496 + 128 + 262,400 + 2,570): allreduce
     # hands over all of them, fp16 half
@@ -136,7 +141,7 @@ def test_bench_writes_table_json_csv_and_plot(tmp_path: Path) -> None:
     assert all(0.0 <= s["final_metric"] <= 1.0 for s in summaries.values())
     assert len(document["runs_by_rank"]) == 2 and len(document["runs_by_rank"][0][0]["losses"]) == 8
     rows = list(csv.DictReader((out / "results.csv").open()))
-    assert [row["label"] for row in rows] == ["allreduce", "fp16_compress"]
+    assert [row["label"] for row in rows] == ["allreduce", "fp16_compress", hierarchical]
     assert float(rows[0]["projected_ms_1gbit"]) > float(rows[0]["projected_ms_100gbit"])
     assert float(rows[0]["time_to_target_s"]) == pytest.approx(summaries["allreduce"]["time_to_target_s"])
     assert {"handed_ratio", "wire_ratio", "projected_time_to_target_s"} <= rows[0].keys()
@@ -245,6 +250,47 @@ def test_ratios_of_a_run_that_sends_nothing() -> None:
     assert summary.handed_ratio == math.inf and summary.wire_ratio == math.inf
     run["dense_wire_bytes_per_step"] = 0.0
     assert math.isnan(summarize(run, warmup=0).wire_ratio)
+
+
+def _resolved_hooks(*argv: str) -> dict[str, dict[str, str]]:
+    """Label -> options of each hook as ``gradcomm bench ARGV`` would run it (nothing is started)."""
+    import argparse
+
+    from gradcomm.bench import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    config = cli._config(parser.parse_args(list(argv)), 4, "cpu")
+    return {choice.label: choice.with_defaults(config.option_defaults) for choice in config.hooks}
+
+
+def test_bench_defaults_reach_inner_hooks_and_candidates_and_labels_show_them() -> None:
+    """The issue's command: the flat and the hierarchical PowerSGD both start compressing at step 10."""
+    hooks = _resolved_hooks(
+        "--hooks", "powersgd:matrix_approximation_rank=4", "hierarchical:inner=powersgd,matrix_approximation_rank=4",
+        "auto:candidates=allreduce+powersgd:matrix_approximation_rank=4", "allreduce",
+    )
+    assert hooks == {
+        "powersgd(rank=4, start_powerSGD_iter=10)": {"matrix_approximation_rank": "4", "start_powerSGD_iter": "10"},
+        "hierarchical(inner=powersgd, rank=4, start_powerSGD_iter=10)": {
+            "inner": "powersgd", "matrix_approximation_rank": "4", "start_powerSGD_iter": "10",
+        },
+        "auto(candidates=allreduce+powersgd:matrix_approximation_rank=4;start_powerSGD_iter=10)": {
+            "candidates": "allreduce+powersgd:matrix_approximation_rank=4;start_powerSGD_iter=10",
+        },
+        "allreduce": {},
+    }
+    # options the user gives win, in the choice or for every hook; --hook-option reaches an inner hook
+    hooks = _resolved_hooks(
+        "--hooks", "hierarchical:inner=powersgd,start_powerSGD_iter=3", "--powersgd-rank", "2",
+        "--hook-option", "use_error_feedback=off",
+    )
+    assert hooks == {
+        "hierarchical(inner=powersgd, start_powerSGD_iter=3, rank=2, use_error_feedback=off)": {
+            "inner": "powersgd", "start_powerSGD_iter": "3", "matrix_approximation_rank": "2",
+            "use_error_feedback": "off",
+        },
+    }
 
 
 @pytest.mark.parametrize(

@@ -157,6 +157,54 @@ def test_constructor_arguments_behave_as_torch() -> None:
     assert out["bad_caps"] == "ValueError: bucket_cap_mb_list must hold positive sizes in MB, got [0]"
 
 
+class RankLocalBuffer(nn.Module):
+    """torch's ``test_ddp_join_respects_forward_sync_buffers_false`` model: a buffer drawn per rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(10, 10, bias=False)
+        torch.manual_seed(dist.get_rank() + 42)
+        self.register_buffer("rank_local", torch.randn(10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + self.rank_local
+
+
+def _join_buffer_checks() -> dict[str, Any]:
+    """torch's case on CPU: ``rank + 1`` steps under ``ddp.join()`` with buffer sync off, both spellings, on
+    torch's DDP and gradcomm's; each run reports ``(buffer before, buffer after, parameters after)``."""
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    for spelling in ("broadcast_buffers", "forward_sync_buffers"):
+        for label, kind in (("torch", TorchDDP), ("gradcomm", gradcomm.DistributedDataParallel)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                ddp = kind(RankLocalBuffer(), **{spelling: False})
+            before = ddp.module.rank_local.detach().clone()
+            generator = torch.Generator().manual_seed(rank)
+            with ddp.join():
+                for _ in range(rank + 1):
+                    ddp(torch.randn(2, 10, generator=generator)).sum().backward()
+            out[spelling, label] = (before.tolist(), ddp.module.rank_local.tolist(), flat_parameters(ddp.module))
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_join_leaves_buffers_alone_when_buffer_sync_is_off_as_torch() -> None:
+    ranks = run_on_ranks(_join_buffer_checks, world_size=2, timeout=150)
+    for rank, out in enumerate(ranks):
+        for spelling in ("broadcast_buffers", "forward_sync_buffers"):
+            ours, theirs = out[spelling, "gradcomm"], out[spelling, "torch"]
+            assert theirs[0] == theirs[1], (rank, spelling)  # torch's assertion, which torch's DDP passes
+            assert ours[0] == ours[1], f"rank {rank}, {spelling}=False: join() changed the rank-local buffer"
+            assert ours[1] == theirs[1] and (ours[2] == theirs[2]).all(), (rank, spelling)
+    # the deprecated spelling also skips the init sync: the buffers stay each rank's own throughout
+    assert ranks[0]["broadcast_buffers", "gradcomm"][1] != ranks[1]["broadcast_buffers", "gradcomm"][1]
+    assert ranks[0]["forward_sync_buffers", "gradcomm"][1] == ranks[1]["forward_sync_buffers", "gradcomm"][1]
+
+
 # -- the torch internals frameworks use -----------------------------------------------------------------------
 def _torch_surface_checks() -> dict[str, Any]:
     torch.set_num_threads(1)

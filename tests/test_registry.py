@@ -19,6 +19,7 @@ from gradcomm.compression.registry import methods
 from gradcomm.hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from gradcomm.hooks.registry import (
     CommHookType,
+    apply_option_defaults,
     check_options,
     get_hook,
     hook_names,
@@ -282,6 +283,61 @@ def test_check_options_builds_no_process_group_and_converts():
     }
     assert check_options("allreduce") == {}
     assert not dist.is_initialized()
+
+
+BENCH_DEFAULTS = {"start_powerSGD_iter": 10, "matrix_approximation_rank": "2"}
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "resolved"),
+    [
+        ("allreduce", {}, {}),
+        ("powersgd", {}, {"start_powerSGD_iter": 10, "matrix_approximation_rank": "2"}),
+        ("powersgd", {"start_powerSGD_iter": "3"}, {"start_powerSGD_iter": "3", "matrix_approximation_rank": "2"}),
+        ("powersgd_rank2", {}, {"start_powerSGD_iter": 10}),  # its preset rank is not overridden
+        ("hierarchical", {}, {}),  # the inner hook defaults to allreduce, which takes neither
+        (
+            "hierarchical",
+            {"inner": "powersgd", "matrix_approximation_rank": "4"},
+            {"inner": "powersgd", "matrix_approximation_rank": "4", "start_powerSGD_iter": 10},
+        ),
+        (
+            "hierarchical",
+            {"inner": "batched_powersgd", "start_powerSGD_iter": "0", "ranks_per_node": "2"},
+            {"inner": "batched_powersgd", "ranks_per_node": "2", "start_powerSGD_iter": "0",
+             "matrix_approximation_rank": "2"},
+        ),
+        ("auto", {}, {}),  # the default candidates set both options themselves
+        (
+            "auto",
+            {"candidates": "allreduce+powersgd:matrix_approximation_rank=4"},
+            {"candidates": "allreduce+powersgd:matrix_approximation_rank=4;start_powerSGD_iter=10"},
+        ),
+        (
+            "auto",
+            {"candidates": ["fp16_compress", "hierarchical:inner=powersgd,start_powerSGD_iter=1"], "trial_steps": "2"},
+            {
+                "candidates": ["fp16_compress", "hierarchical:inner=powersgd;start_powerSGD_iter=1;matrix_approximation_rank=2"],
+                "trial_steps": "2",
+            },
+        ),
+    ],
+)
+def test_option_defaults_reach_every_hook_the_choice_runs_and_given_options_win(name, options, resolved):
+    assert apply_option_defaults(name, options, BENCH_DEFAULTS) == resolved
+    assert apply_option_defaults(name, resolved, BENCH_DEFAULTS) == resolved  # applying again changes nothing
+
+
+def test_option_defaults_are_what_the_inner_hooks_and_candidates_are_built_with():
+    """The resolved options build an inner PowerSGD and an auto candidate that start compressing at step 10."""
+    options = apply_option_defaults("hierarchical", {"inner": "powersgd"}, {"start_powerSGD_iter": "10"})
+    _, state = make_comm_hook("hierarchical", **options)
+    assert state.inner_state.start_powerSGD_iter == 10
+    candidates = apply_option_defaults("auto", {"candidates": "allreduce+powersgd"}, {"start_powerSGD_iter": "10"})
+    _, state = make_comm_hook("auto", **candidates)
+    assert [c.options for c in state._candidates] == [{}, {"start_powerSGD_iter": 10}]
+    with pytest.raises(ValueError, match="unknown communication hook 'warp'"):
+        apply_option_defaults("hierarchical", {"inner": "warp"}, {})
 
 
 class _FakeModel:

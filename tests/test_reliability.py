@@ -14,6 +14,7 @@ error.
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import re
@@ -30,6 +31,8 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 import gradcomm
+from gradcomm.bench.runner import solo_groups
+from gradcomm.comm.faults import process_group_timeout
 from gradcomm.compression.registry import methods as compression_methods
 from gradcomm.hooks import allgather_hooks, default_hooks, powerSGD_hook
 from gradcomm.hooks.grad_bucket import GradBucket
@@ -637,5 +640,85 @@ def test_killed_rank_fails_the_others_quickly_and_leaves_no_process(case: str) -
         r".*Connection (closed|reset) by peer",
         message,
     ), message
+    time.sleep(0.5)
+    assert _rank_processes() - before == set(), "rank processes left behind"
+
+
+# -- a rank stopped (SIGSTOP) inside backward, in the groups a hook makes ----------------------------------
+STOP_TIMEOUT = 5.0  # seconds: the timeout of the DDP's group, which the hooks' own groups must take
+STOP_AT = 4
+STOPPED_HOOKS = {
+    # hook that makes groups of its own: (world size, its options); rank 1 stops at step STOP_AT
+    "post_localsgd": (3, {"start_localSGD_iter": 2}),  # the intra-node subgroup (every rank, on one machine)
+    "hierarchical": (4, {"ranks_per_node": 2}),  # two node groups per node and the leaders' group
+}
+
+
+def _stop_in_backward(folder: Path) -> None:
+    (folder / "stopped").write_text(str(os.getpid()))
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _wait_for_survivors(folder: Path, world_size: int, seconds: float = 60.0) -> None:
+    """Every rank but 1 stays until all of them have failed (one leaving early would close its connections)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not all(
+        (folder / f"rank{r}.json").exists() for r in range(world_size) if r != 1
+    ):
+        time.sleep(0.1)
+
+
+def stopped_in_backward(hook: str, options: dict[str, Any], folder: str) -> None:
+    """Train with ``hook``; rank 1 stops itself with SIGSTOP in the middle of step STOP_AT's backward, after
+    its last bucket was handed to the hook. Every other rank writes what it raised and when; rank 0 then kills
+    rank 1."""
+    rank, path = dist.get_rank(), Path(folder)
+    solo_timeout = process_group_timeout(solo_groups()[rank])  # gradcomm bench's groups, made before the stop
+    group = dist.new_group(timeout=datetime.timedelta(seconds=STOP_TIMEOUT))
+    ddp = gradcomm.DistributedDataParallel(_mlp(), process_group=group, bucket_cap_mb=0.001)
+    hook_fn, state = make_comm_hook(hook, process_group=group, **options)
+    ddp.register_comm_hook(state, hook_fn)
+    step = 0
+
+    def stop_after_the_last_bucket(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        if rank == 1 and step == STOP_AT:
+            output.register_hook(lambda grad: _stop_in_backward(path))
+
+    ddp.module[1].register_forward_hook(stop_after_the_last_bucket)
+    outcome: dict[str, Any] = {"message": "no error", "seconds": None}
+    for step in range(STOP_AT + 3):
+        started = time.monotonic()
+        try:
+            _train_step(ddp, step)
+        except Exception as exc:
+            outcome = {"message": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - started}
+            break
+    outcome["step"] = step
+    outcome["solo_group_timeout"], outcome["world_timeout"] = solo_timeout, process_group_timeout()
+    (path / f"rank{rank}.json").write_text(json.dumps(outcome))
+    _wait_for_survivors(path, dist.get_world_size())
+    if rank == 0:
+        os.kill(int((path / "stopped").read_text()), signal.SIGKILL)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("hook", list(STOPPED_HOOKS))
+def test_stopped_rank_fails_every_other_rank_within_the_group_timeout(hook: str, tmp_path: Path) -> None:
+    world_size, options = STOPPED_HOOKS[hook]
+    before = _rank_processes()
+    with pytest.raises(RankError) as caught:
+        run_on_ranks(stopped_in_backward, world_size, (hook, options, str(tmp_path)), timeout=75)
+    for rank in range(world_size):
+        if rank == 1:
+            continue
+        report = tmp_path / f"rank{rank}.json"
+        assert report.exists(), f"{hook}: rank {rank} still waited for the stopped rank 1 after 75 s: {caught.value}"
+        outcome = json.loads(report.read_text())
+        assert outcome["step"] == STOP_AT and outcome["message"].startswith(
+            f"PeerLostError: rank {rank} lost contact with its peers during step {STOP_AT}"
+        ), (hook, rank, outcome)
+        assert outcome["seconds"] < STOP_TIMEOUT + 10, (hook, rank, outcome)
+        assert outcome["solo_group_timeout"] == outcome["world_timeout"] == 30.0, (hook, rank, outcome)
+    assert caught.value.rank == 1 and f"rank 1 of {world_size} exited with code -9" in str(caught.value)
     time.sleep(0.5)
     assert _rank_processes() - before == set(), "rank processes left behind"

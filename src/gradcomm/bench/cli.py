@@ -144,18 +144,20 @@ def _config(args: argparse.Namespace, world_size: int, device: str) -> BenchConf
             raise BenchError(f"--hook-option {item!r} is not KEY=VALUE")
         defaults[key.strip()] = value.strip()
         given.append(key.strip())
-    accepted = {name for choice in hooks for name in hook_options(choice.name)}
-    unused = [key for key in given if key not in accepted]
+    try:
+        unused = [key for key in given if not any(choice.takes(key, defaults[key]) for choice in hooks)]
+        for choice in hooks:
+            choice.checked_options(defaults)
+    except (ValueError, TypeError, ImportError) as exc:
+        raise BenchError(str(exc)) from None
     if unused:
+        accepted = {name for choice in hooks for name in hook_options(choice.name)}
         raise BenchError(
             f"--hook-option {unused[0]!r} is an option of none of the chosen hooks "
-            f"({', '.join(choice.label for choice in hooks)}); they take: {', '.join(sorted(accepted)) or 'none'}"
+            f"({', '.join(choice.label for choice in hooks)}), nor of an inner hook or candidate they run; "
+            f"they take: {', '.join(sorted(accepted)) or 'none'}"
         )
-    for choice in hooks:
-        try:
-            choice.checked_options(defaults)
-        except (ValueError, TypeError, ImportError) as exc:
-            raise BenchError(str(exc)) from None
+    hooks = [choice.resolved(defaults) for choice in hooks]  # each labelled with the options it runs with
     _check_target(args)
     return BenchConfig(
         workload=args.workload,

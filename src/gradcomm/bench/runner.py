@@ -31,8 +31,9 @@ import torch.distributed as dist
 from torch import nn
 
 from gradcomm.bench.workloads import WORKLOADS, Workload
+from gradcomm.comm.faults import derived_group_timeout
 from gradcomm.ddp.distributed import DistributedDataParallel
-from gradcomm.hooks.registry import check_options, make_comm_hook, resolve_hook_name
+from gradcomm.hooks.registry import apply_option_defaults, check_options, make_comm_hook, resolve_hook_name
 from gradcomm.testing.network import link_byte_counters
 
 __all__ = ["BenchConfig", "HookChoice", "HookRun", "bench_rank", "hook_options"]
@@ -70,10 +71,19 @@ class HookChoice:
         return f"{self.name}({', '.join(f'{shown.get(k, k)}={v}' for k, v in self.options)})"
 
     def with_defaults(self, defaults: dict[str, Any]) -> dict[str, Any]:
-        """This choice's options over the bench defaults that its hook accepts and does not fix itself."""
-        merged = {k: v for k, v in defaults.items() if k in hook_options(self.name)}
-        merged.update(self.options)
-        return merged
+        """This choice's options with the bench ``defaults`` added wherever a hook of the choice takes them and
+        the choice does not set them: the hook, ``hierarchical``'s inner hook, ``auto``'s candidates
+        (:func:`gradcomm.hooks.registry.apply_option_defaults`)."""
+        return apply_option_defaults(self.name, dict(self.options), defaults)
+
+    def resolved(self, defaults: dict[str, Any]) -> HookChoice:
+        """This choice with the options it runs with (:meth:`with_defaults`), so that its label shows them all."""
+        return HookChoice(self.name, tuple((key, str(value)) for key, value in self.with_defaults(defaults).items()))
+
+    def takes(self, key: str, value: Any) -> bool:
+        """Whether a bench default ``key=value`` would reach a hook of this choice that does not set it."""
+        options = {k: v for k, v in self.options if k != key}
+        return apply_option_defaults(self.name, options, {key: value}) != options
 
     def checked_options(self, defaults: dict[str, Any]) -> dict[str, Any]:
         """:meth:`with_defaults`, converted and checked as the ranks' ``make_comm_hook`` will.
@@ -228,17 +238,23 @@ def run_hook(
     )
 
 
+def solo_groups() -> list[Any]:
+    """A group of each rank alone, for measuring compute without the network; a collective: every rank creates
+    every group, in the same order. Each takes the default group's timeout, as every group gradcomm makes."""
+    timeout = derived_group_timeout()
+    return [dist.new_group([r], timeout=timeout) for r in range(dist.get_world_size())]
+
+
 def bench_rank(config: BenchConfig, progress_queue: Any = None) -> list[dict[str, Any]]:
     """Run every hook of ``config`` on this rank; return one :class:`HookRun` dict per hook."""
     workload = WORKLOADS[config.workload](device=config.device)
     rank = dist.get_rank()
-    # every rank must create every group, in the same order
-    solo_groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    solo = solo_groups()
     report = None
     if progress_queue is not None and rank == 0:
         def report(label: str, step: int) -> None:
             progress_queue.put((label, step))
 
-    runs = [run_hook(workload, choice, config, solo_groups[rank], report).as_dict() for choice in config.hooks]
+    runs = [run_hook(workload, choice, config, solo[rank], report).as_dict() for choice in config.hooks]
     dist.barrier()
     return runs

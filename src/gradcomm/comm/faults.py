@@ -10,6 +10,7 @@ the bucket, so the message says what happened where and what to do. The optional
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -23,6 +24,7 @@ __all__ = [
     "NonFiniteGradientError",
     "ParameterDriftError",
     "PeerLostError",
+    "derived_group_timeout",
     "is_communication_failure",
     "lost_contact",
     "process_group_timeout",
@@ -115,6 +117,16 @@ def process_group_timeout(group: Any = None) -> float | None:
     except Exception:
         pass
     return None
+
+
+def derived_group_timeout(group: Any = None) -> datetime.timedelta | None:
+    """The ``timeout=`` for a group made from ``group``: ``group``'s own (``None`` where it cannot be read).
+
+    torch gives a new group its backend's default timeout (30 minutes on gloo and NCCL), not the timeout of the
+    group it is made from, so without this a rank would wait that long for a hung peer in a derived group.
+    """
+    seconds = process_group_timeout(group)
+    return datetime.timedelta(seconds=seconds) if seconds is not None else None
 
 
 def _this_rank() -> int:

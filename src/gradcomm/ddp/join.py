@@ -8,7 +8,8 @@ which counts the ranks not yet joined and, while there are some, calls :meth:`DD
 step they take: it does its part of their collectives (the flag exchange, the buffer broadcast, the one-time
 bucket rebuild, and a *shadow backward* running the communication hook on zero buckets, in bucket order, so
 any hook's collectives match). When every rank has joined, :meth:`DDPJoinHook.post_hook` broadcasts parameters
-and buffers from a rank that trained longest, so all replicas leave identical.
+and (with ``forward_sync_buffers``, as torch's ``_sync_final_model``) buffers from a rank that trained longest,
+so all replicas leave identical; buffers a DDP does not synchronise stay each rank's own.
 
 The flags are what every rank knows alike, so every decision (which rank's buffers and bucket order count,
 how many ranks are active, which rank's model is kept) is the same on all ranks without further messages.
@@ -85,7 +86,8 @@ class DDPJoinHook(JoinHook):
         state = ddp._join
         try:
             if state is not None and state.last_active:
-                tensors = [p for p in ddp.module.parameters()] + list(ddp.module.buffers())
+                buffers = list(ddp.module.buffers()) if ddp.forward_sync_buffers else []
+                tensors = [p for p in ddp.module.parameters()] + buffers
                 with reporting_lost_peers(ddp.synchronised_steps, "synchronising the model after join()", ddp._group):
                     broadcast_coalesced(tensors, ddp._group, state.last_active[0])
         finally:

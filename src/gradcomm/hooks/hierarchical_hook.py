@@ -68,7 +68,6 @@ at the first call (a stateless inner hook, whose state is its process group, get
 
 # No ``from __future__ import annotations``: torch's DDP compares the hook's annotations with real types.
 
-import datetime
 import functools
 import logging
 import os
@@ -80,7 +79,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from gradcomm import comm
-from gradcomm.comm.faults import process_group_timeout
+from gradcomm.comm.faults import derived_group_timeout
 from gradcomm.comm.launcher import OrderedLauncher
 from gradcomm.hooks.contract import check_hook, declares_replicas_may_differ, hook_name
 from gradcomm.hooks.default_hooks import mean_allreduce
@@ -237,8 +236,7 @@ class HierarchicalState(HookState):
         elif ranks_per_node == 1:
             self._bind_inner(group)
         else:
-            seconds = process_group_timeout(group)
-            timeout = datetime.timedelta(seconds=seconds) if seconds is not None else None
+            timeout = derived_group_timeout(group)
             node_ranks = [ranks[n * ranks_per_node : (n + 1) * ranks_per_node] for n in range(nodes)]
             reduce_groups = [dist.new_group(members, timeout=timeout) for members in node_ranks]
             broadcast_groups = [dist.new_group(members, timeout=timeout) for members in node_ranks]

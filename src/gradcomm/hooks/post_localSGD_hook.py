@@ -23,7 +23,8 @@ Differences from ``torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hoo
   ``init_process_group`` (Lightning builds it among the Trainer's arguments). First use is the hook's first
   call, at the very start of training on every rank (torch's waits until the first post-local step). The
   node size is ``LOCAL_WORLD_SIZE`` (set by torchrun and :func:`gradcomm.testing.run_on_ranks`), else the
-  number of CUDA devices as torch assumes; on one machine the intra-node subgroup is every rank.
+  number of CUDA devices as torch assumes; on one machine the intra-node subgroup is every rank. It takes the
+  timeout of ``process_group`` (torch's takes the backend's default, 30 minutes).
 * A subgroup of one rank skips the all-reduce (its average is the buffer itself).
 * The state is checkpointable (:class:`~gradcomm.hooks.hook_state.HookState`). Neither ``process_group``
   nor ``subgroup`` is saved: :meth:`PostLocalSGDState.load_state_dict` keeps the groups of the live state,
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from gradcomm import comm
+from gradcomm.comm.faults import derived_group_timeout
 from gradcomm.hooks.hook_state import HookState, _group_ranks
 
 logger = logging.getLogger(__name__)
@@ -64,14 +66,15 @@ def _ranks_per_node() -> int:
     )
 
 
-def _intra_node_subgroup() -> ProcessGroup:
-    """This rank's subgroup of the ranks on its machine, creating every machine's subgroup (a collective)."""
+def _intra_node_subgroup(process_group: ProcessGroup | None) -> ProcessGroup:
+    """This rank's subgroup of the ranks on its machine, creating every machine's subgroup (a collective),
+    with ``process_group``'s timeout (torch's default would wait 30 minutes for a hung peer)."""
     if not dist.is_initialized():
         raise RuntimeError(
             "PostLocalSGDState: the intra-node subgroup (subgroup=None) is created on first use, which needs "
             "the default process group: call torch.distributed.init_process_group(...) before training"
         )
-    subgroup, _ = dist.new_subgroups(group_size=_ranks_per_node())
+    subgroup, _ = dist.new_subgroups(group_size=_ranks_per_node(), timeout=derived_group_timeout(process_group))
     logger.info("PostLocalSGDState: created the intra-node subgroups (%s ranks each).", _ranks_per_node())
     return subgroup
 
@@ -128,7 +131,7 @@ class PostLocalSGDState(HookState):
     def post_local_group(self) -> ProcessGroup:
         """The subgroup for the post-local all-reduce, creating the intra-node one if none is attached."""
         if self.subgroup is None:
-            self.subgroup = _intra_node_subgroup()
+            self.subgroup = _intra_node_subgroup(self.process_group)
         return self.subgroup
 
     # -- checkpointing: the subgroup is left out like the process group ------------------------------------

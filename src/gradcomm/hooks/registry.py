@@ -48,6 +48,7 @@ __all__ = [
     "CommHookType",
     "HookSpec",
     "Option",
+    "apply_option_defaults",
     "check_options",
     "get_hook",
     "hook_names",
@@ -480,6 +481,55 @@ def check_options(name: str | Enum, **options: Any) -> dict[str, Any]:
             else:
                 spec.state(module, None, dict(checked))
     return checked
+
+
+def apply_option_defaults(name: str | Enum, options: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` of the hook called ``name`` with each of ``defaults`` added wherever a hook of the choice
+    takes it and is not given it: the hook itself, ``hierarchical``'s inner hook (its options are the
+    hierarchical choice's), each of ``auto``'s candidates (``candidates`` is then written out, a candidate's
+    options joined by ``;``). Options given explicitly always win; values stay as given (strings from a
+    command line), and nothing is checked but the names that decide where an option goes.
+
+    A launcher's defaults (``gradcomm bench``'s ``start_powerSGD_iter=10``) must reach PowerSGD wherever it
+    runs: otherwise a hierarchical PowerSGD row keeps torch's 1,000 warm-up steps beside a flat one's 10. The
+    result is what the launcher passes to :func:`make_comm_hook` and shows as the options the hook ran with.
+
+    Raises:
+        ValueError: an unknown hook name (of the choice, its inner hook or a candidate), or malformed candidates.
+    """
+    spec = resolve_hook_name(name).value
+    presets = dict(spec.presets)
+    resolved = dict(options)
+    for key, value in defaults.items():
+        if key in spec.option_names and key not in presets and key not in resolved:
+            resolved[key] = value
+    if spec.passes_options:
+        own = {key: value for key, value in resolved.items() if key in spec.option_names}
+        passed = {key: value for key, value in resolved.items() if key not in spec.option_names}
+        inner = own.get("inner", next(o.default for o in spec.options if o.name == "inner"))
+        resolved = {**own, **apply_option_defaults(inner, passed, defaults)}
+    elif spec.name == "auto":
+        given = resolved.get("candidates", _import(spec.name, spec.module).DEFAULT_CANDIDATES)
+        candidates = _candidates_with_defaults(given, defaults)
+        if candidates != given:
+            resolved["candidates"] = candidates
+    return resolved
+
+
+def _candidates_with_defaults(candidates: Any, defaults: Mapping[str, Any]) -> Any:
+    """``auto``'s candidates (a ``+``-joined string or a list) with ``defaults`` applied to each; a candidate
+    that gains nothing keeps its text."""
+    texts = candidates.split("+") if isinstance(candidates, str) else list(candidates)
+    written = []
+    for text in texts:
+        if not isinstance(text, str):
+            written.append(text)
+            continue
+        name, options = parse_hook_choice(text.replace(";", ","))
+        resolved = apply_option_defaults(name, options, defaults)
+        changed = resolved != options
+        written.append(f"{name}:{';'.join(f'{k}={v}' for k, v in resolved.items())}" if changed else text)
+    return "+".join(written) if isinstance(candidates, str) else written
 
 
 def get_hook(name: str | Enum, wrapper: str | None = None) -> Callable[..., Any]:
