@@ -377,11 +377,12 @@ class DistributedDataParallel(TorchDDPSurface):
                     broadcast_coalesced(buffers, self._group, source)
 
     def _module_buffers(self) -> list[torch.Tensor]:
-        """``list(self.module.buffers())`` without walking the module tree at every forward (1.0 ms a step for
-        1,200 submodules, most without buffers): the submodules that hold buffers are listed at the first
-        forward (torch's DDP lists the buffers themselves once, at construction), and their buffers are read
-        afresh, so a reassigned one (``bn.running_mean = t``) is the one broadcast; one registered later on a
-        submodule that had none is not."""
+        """``list(self.module.buffers())`` without walking the module tree at every forward (a cost per
+        submodule, most of them without buffers; figures in
+        ``docs/notes/2026-11-27-figures-from-docstrings.md``): the submodules that hold buffers are listed at
+        the first forward (torch's DDP lists the buffers themselves once, at construction), and their buffers
+        are read afresh, so a reassigned one (``bn.running_mean = t``) is the one broadcast; one registered
+        later on a submodule that had none is not."""
         if self._buffer_owners is None:
             self._buffer_owners = [module for module in self.module.modules() if module._buffers]
         unique: dict[int, torch.Tensor] = {}
