@@ -10,8 +10,9 @@ rebuild) ``--steps`` training steps are counted:
     python benchmarks/callgrind_ddp.py --shape narrow --ddp gradcomm --cprofile  # top functions by own time
 
 Under valgrind (``--tool=callgrind``, ``benchmarks/callgrind.py``) only the counted steps are counted, not
-start-up, import or warm-up. Figures from before that file (RESULTS.md) took the first marked stretch, which
-callgrind miscounts, so they are comparable with each other but not with later ones.
+start-up, import or warm-up. Figures from before that file (``docs/notes/2026-11-24-ddp-per-tensor-cost.md``)
+took the first marked stretch, which callgrind miscounts, so they are comparable with each other but not
+with later ones.
 """
 
 from __future__ import annotations

@@ -515,3 +515,28 @@ def test_a_run_removes_the_namespaces_of_a_killed_run(tmp_path: Path, privileged
             orphan.kill()
         if stale in _netns_names():
             subprocess.run(["ip", "netns", "delete", stale], check=False)
+
+
+def test_help_is_plain_text_with_examples_that_parse(capsys: pytest.CaptureFixture) -> None:
+    """``gradcomm bench --help`` is for users: no reST markup, and every example in it is a valid command line."""
+    import argparse
+    import shlex
+
+    from gradcomm.bench.cli import add_arguments
+    from gradcomm.bench.runner import HookChoice
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert not re.search(r":(mod|func|class|meth|attr|data):`|``", text), text
+    assert "\nexamples:\n" in text and "--bandwidth 100mbit" in text, text
+
+    commands = re.findall(r"^  (?:torchrun .*-m )?gradcomm bench(.*?)$((?:\n      --.*$)?)", text, flags=re.M)
+    assert len(commands) >= 5, commands
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(parser)
+    for first, continued in commands:
+        args = parser.parse_args(shlex.split((first + continued).replace("\\\n", " ")))
+        for hook in args.hooks:
+            HookChoice.parse(hook)

@@ -13,7 +13,8 @@ seeds (both measured with the sampler that preceded ``random_subset``).
 
 Margin: held-out cross-entropy at most 0.5 nats above allreduce's. Chance level is ln(10) = 2.30 and
 allreduce reaches about 0.01, so 0.5 still means a model that has learned the task (measured worst: random-k,
-which updates a few coordinates per step). Figures are in benchmarks/RESULTS.md.
+which updates a few coordinates per step). Figures: benchmarks/RESULTS.md; random-k's seeds:
+docs/notes/2026-11-22-first-results.md.
 """
 
 from __future__ import annotations

@@ -9,12 +9,18 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     from gradcomm.bench import cli as bench_cli
 
-    parser = argparse.ArgumentParser(prog="gradcomm", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="gradcomm",
+        description="gradcomm bench compares communication hooks by training; gradcomm demo is a short run.",
+        epilog="gradcomm bench --help shows the bench's options and examples.",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser(
         "bench",
         help="train a workload once per hook on N ranks (optionally behind shaped links) and compare them",
-        description=bench_cli.__doc__,
+        description=bench_cli.DESCRIPTION,
+        epilog=bench_cli.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench_cli.add_arguments(bench)
     demo = commands.add_parser("demo", help="train a small model on local ranks and print its loss")

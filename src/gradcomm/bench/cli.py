@@ -35,7 +35,7 @@ from gradcomm.bench.runner import BENCH_OPTION_DEFAULTS, BenchConfig, HookChoice
 from gradcomm.bench.workloads import WORKLOADS
 from gradcomm.errors import GradcommError
 
-__all__ = ["DEFAULT_HOOKS", "add_arguments", "run"]
+__all__ = ["DEFAULT_HOOKS", "DESCRIPTION", "EPILOG", "add_arguments", "run"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,43 @@ DEFAULT_HOOKS = (
     "powersgd:matrix_approximation_rank=4",
     "signsgd",  # the compression method with the best loss on both workloads (benchmarks/RESULTS.md)
 )
+
+
+# `gradcomm bench --help` prints these as written (plain text: the module docstring above is for developers).
+DESCRIPTION = """\
+Which hook gets my model to a given loss fastest, on my bandwidth? gradcomm
+bench answers by training: it trains the workload once per hook on local ranks
+(2 by default) with the same seeds and data, and prints a table with one row
+per hook: final loss, MB sent per step, compression ratios, compute and
+measured ms per step, the step time projected at 1, 10 and 100 Gbit/s, and the
+time to reach a target loss. It writes results.json, results.csv and plot.png
+to an output folder named at the end.
+
+With --bandwidth each rank sits behind a link shaped to that rate (needs root
+or CAP_NET_ADMIN); with --nodes N --procs-per-node P it emulates N hosts joined
+by such a link. Started by torchrun it joins that job instead (NCCL and the
+local GPU where there is one). Bad input and a failed rank end in one line on
+stderr and a non-zero exit."""
+
+EPILOG = """\
+A hook is NAME or NAME:key=value,key=value (powersgd:matrix_approximation_rank=4).
+
+examples:
+  gradcomm bench
+      transformer; allreduce, fp16, PowerSGD rank 1 and 4, signSGD
+  gradcomm bench --workload cnn --steps 300 --hooks allreduce topk:ratio=0.01 qsgd
+      the CNN, 300 steps, three hooks
+  gradcomm bench --bandwidth 100mbit --latency 1ms
+      each rank behind a 100 Mbit/s link with 1 ms delay (root)
+  gradcomm bench --project 100mbit --target-loss 2
+      time to loss 2, measured and projected at 100 Mbit/s
+  gradcomm bench --nodes 2 --procs-per-node 2 --bandwidth 1gbit \\
+      --hooks allreduce hierarchical:inner=allreduce,ranks_per_node=2
+      two emulated hosts of two ranks each (root)
+  torchrun --nproc-per-node 2 -m gradcomm bench
+      under torchrun (env:// rendezvous)
+
+Figures measured with these commands: benchmarks/RESULTS.md in the repository."""
 
 
 class BenchError(GradcommError):

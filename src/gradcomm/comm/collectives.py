@@ -220,9 +220,8 @@ def all_gather_into_tensor(
     each send before the matching receive, and a send waits until the peer has posted its receive. The rank
     that reaches the collective later therefore sends its "ready to receive" behind half of its own data, and
     only then does its peer start sending to it: that rank takes about 1.5x the link time of its bytes. With
-    the receives first it takes 1.0x: on 2 ranks behind 100 Mbit/s links, the later rank 20 ms late, 0.09-1.65
-    MB per rank took it 1.2-1.5x the earlier rank's time as one all-gather and 1.00-1.03x exchanged
-    (``benchmarks/RESULTS.md``, "Receives before sends"). Counted as one collective.
+    the receives first it takes 1.0x (measured in ``docs/notes/2026-11-24-hooks-at-the-link-floor.md``,
+    "Receives before sends"). Counted as one collective.
     """
     _record("all_gather", group, tensor)
     world_size = group_size(group)
@@ -283,8 +282,8 @@ def all_to_all_single(tensor: torch.Tensor, group: ProcessGroup | None = None) -
     On gloo (CPU tensors) the chunks go point to point, every receive posted first, as in
     :func:`all_gather_into_tensor` and for the same reason, only more so: gloo's all-to-all sends a whole
     chunk before posting the matching receive, so the later rank's "ready to receive" waits behind all of its
-    data (2 ranks, 0.09-1.65 MB per peer at 100 Mbit/s, the later rank 20 ms late: 1.5-1.9x the earlier
-    rank's time, 1.0x exchanged). Counted as one collective."""
+    data (measured in ``docs/notes/2026-11-24-hooks-at-the-link-floor.md``, "Receives before sends").
+    Counted as one collective."""
     world_size = group_size(group)
     if tensor.shape[0] % world_size:
         raise ValueError(

@@ -100,7 +100,7 @@ def _complete_when_done(works: Sequence[dist.Work], future: torch.futures.Future
 
 class _Waiters:
     """Daemon threads that run blocking waits, as many as are waiting at once and reused once idle (starting
-    a thread costs about 150 us here, handing a job to an idle one about 20). A job never queues behind a busy
+    a thread costs several times as much as handing a job to an idle one). A job never queues behind a busy
     thread, so a callback that itself waits for a later job cannot deadlock; being daemons, they never keep
     the interpreter from exiting (``concurrent.futures`` joins its threads at exit)."""
 

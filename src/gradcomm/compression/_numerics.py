@@ -8,7 +8,9 @@ pieces stay finite and NCCL-ready.
 
 The hot paths avoid what is slow on the CPU (``benchmarks/bench_compression.py`` measures them): full-size
 ``torch.where`` on broadcast boolean masks, ``topk`` and ``randperm`` over a whole tensor for a few
-percent of it, float-to-uint8 conversions and reductions along a leading axis.
+percent of it, float-to-uint8 conversions and reductions along a leading axis. The figures behind each choice
+below ("several times faster") are one machine's, recorded with their dates in
+``docs/notes/2026-11-27-figures-from-docstrings.md`` and ``docs/notes/2026-11-24-compression-compute.md``.
 """
 
 from __future__ import annotations
@@ -149,8 +151,8 @@ def safe_std(x: torch.Tensor, peak: torch.Tensor | None = None) -> torch.Tensor:
     caller has it already.
 
     Two passes, as ``std`` (the mean, then the mean square of the differences), but of vectorised sums: on the
-    CPU ``torch.std``'s Welford loop costs about ten times a pass over memory (1M float32: 1.0 ms against 0.3
-    for this); the result differs from it in the last bit or two (float32's cascade sums)."""
+    CPU ``torch.std``'s Welford loop costs several times a pass over memory; the result differs from it in the
+    last bit or two (float32's cascade sums)."""
     peak = _max_abs(x, None) if peak is None else peak
     scaled = x / _nonzero(peak)
     centred = scaled.sub_(scaled.mean())
@@ -213,7 +215,8 @@ def _gathering_lane(bits: int) -> tuple[torch.dtype, int]:
     the products never overlap and nothing carries; only ``j == i`` lands in the top byte (at bit
     ``8 (n - 1) + bits i``), and what passes the lane's top bit wraps away. For one bit it is
     ``0x0102040810204080`` on an int64. One multiplication replaces the three shift-and-mask merges of
-    :func:`_merge_steps` (three passes each, over the same eighth of the elements): about 2.5x faster.
+    :func:`_merge_steps` (three passes each, over the same eighth of the elements), and is faster (the
+    fourth pass in ``docs/notes/2026-11-24-compression-compute.md``).
     """
     lane_bytes = 8 // bits
     return _LANES[bits], sum(1 << (8 * (lane_bytes - 1) - (8 - bits) * j) for j in range(lane_bytes))
@@ -257,8 +260,8 @@ def _unpack_words(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:
 def as_uint8(codes: torch.Tensor, bits: int = 8) -> torch.Tensor:
     """``codes`` (below ``2**bits``) as uint8; booleans are reinterpreted in place, floats are truncated towards
     zero. Floats go through int8 where the codes fit it (``bits < 8``), else through int16: on the CPU a direct
-    float-to-uint8 conversion is several times slower than either (1M floats: 0.88 ms, against 0.14 through
-    int8, 0.41 through int16 and 0.67 through int32), and all give the same bytes for codes in range."""
+    float-to-uint8 conversion is several times slower than either, and all give the same bytes for codes in
+    range."""
     if codes.dtype == torch.bool:
         return codes.view(torch.uint8)
     if codes.is_floating_point():
@@ -309,9 +312,9 @@ _ROW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 1
 def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``table.index_select(0, index)`` for a contiguous 2-D ``table``, its bits copied unchanged.
 
-    ``index_select`` copies a 2-D table row by row, about 2.3 ns per row on the CPU whatever the row's width;
-    a row of 1, 2, 4, 8 or 16 bytes is gathered as one element of a dtype of that size instead (about 0.6
-    ns): 4x faster for the 2- and 4-bit codes' tables of float32 (2 and 4 values per byte). Wider rows (one
+    ``index_select`` copies a 2-D table row by row on the CPU, at a cost per row whatever the row's width;
+    a row of 1, 2, 4, 8 or 16 bytes is gathered as one element of a dtype of that size instead, several times
+    faster for the 2- and 4-bit codes' tables of float32 (2 and 4 values per byte). Wider rows (one
     bit per code: 8 values, 32 bytes) are written at memory speed either way and go as they are.
     """
     row_dtype = _ROW_DTYPES.get(table.shape[1] * table.element_size())
@@ -334,7 +337,7 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """One bit per element along the last dimension: 1 for ``x >= 0``, 0 for negatives (and NaN).
 
     The comparison writes int8 rather than bool: the same 0 and 1 bytes, but on the CPU a comparison into
-    bool is not vectorised (1.65M float32: 1.05 ms into bool, 0.45-0.7 into int8)."""
+    bool is not vectorised."""
     not_negative = torch.ge(x, 0, out=torch.empty(x.shape, dtype=torch.int8, device=x.device))
     return pack_bits(not_negative.view(torch.uint8), 1)
 
@@ -417,7 +420,7 @@ def centred_noise(shape: torch.Size | tuple[int, ...], generator: torch.Generato
     ``1/2 +`` that is uniform on ``[0, 1)`` in steps of ``2**-16``: stochastic rounding with it rounds up with a
     probability that exceeds the exact fraction by less than ``2**-16`` (of a step). On the CPU a 64-bit draw
     costs two of the generator's (mt19937) 32-bit outputs: half an output per element, where two 24-bit fields
-    per draw, or ``torch.rand``, take one (1.65M elements: 1.7 ms against 3.8 for the fields). The draws cover the
+    per draw, or ``torch.rand``, take one. The draws cover the
     full 64 bits (``random_(-2**63, None)``: the default ``random_()`` of int64 leaves the sign bit 0). Every
     element depends only on the generator's seed; only the views are dtype-specific, so any device draws alike.
     """
@@ -461,7 +464,7 @@ def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` largest ``|flat|`` (NaN counting as largest, as in ``torch.topk``), in no order.
 
     The set is ``torch.topk``'s (up to the choice among equal magnitudes at the k-th place). On the CPU a
-    large tensor goes a faster way (a full ``topk`` costs about 12 ns per element there): the magnitude at
+    large tensor goes a faster way (a full ``topk`` is costly per element there): the magnitude at
     the ``2k``-th place of an evenly strided sample of about 4096 (:func:`sample_stride`) estimates a
     threshold, every element not below it is a candidate, and the top k of the candidates are the top k of all
     when there are at least k of them (otherwise, rarely, the full ``topk`` runs). Where the threshold is 0
@@ -476,7 +479,7 @@ def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
         return magnitudes.topk(k, sorted=False).indices
     sample = magnitudes[::stride]
     place = min(sample.numel(), -(-2 * k * sample.numel() // magnitudes.numel()) + 1)
-    # a Python number, not a 0-dim tensor: compared with one, into int8, the mask is written 3x faster here
+    # a Python number, not a 0-dim tensor: compared with one, into int8, the mask is written faster
     threshold = sample.topk(place, sorted=True).values[-1].item()
     mostly_zero = threshold == 0
     below = (torch.le if mostly_zero else torch.lt)(
@@ -495,15 +498,14 @@ def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
 def sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
     """The indices of a flat boolean ``mask``'s true elements in ascending order, as ``mask.nonzero()``, faster
     where they are few: ``nonzero`` first finds the 8-byte words holding any (a scan of an eighth of the
-    elements), then searches those words alone (about 4x faster at 0.2% density, 10% at 2%, twice as slow
-    at 30%)."""
+    elements), then searches those words alone: faster at low densities, slower at high ones."""
     length = mask.numel()
     head = length - length % 8
     if mask.storage_offset() % 8 or not mask.is_contiguous():
         mask = mask.clone()
     all_words = mask[:head].view(torch.int64)
     words = all_words.nonzero().squeeze(1)
-    found = all_words[words].view(torch.uint8).view(-1, 8).nonzero()  # whole words: 4x faster than rows of 8
+    found = all_words[words].view(torch.uint8).view(-1, 8).nonzero()  # whole words: faster than rows of 8
     indices = words[found[:, 0]].mul_(8).add_(found[:, 1])
     if head == length:
         return indices

@@ -164,8 +164,9 @@ class DistributedDataParallel(TorchDDPSurface):
         bucket_cap_mb_list: torch's per-bucket limits in MB: bucket ``k`` (of a dtype and device) uses entry
             ``k``, the last entry applies to the rest; overrides ``bucket_cap_mb``.
         forward_sync_buffers: broadcast buffers from rank 0 at every forward (``None``: true).
-        delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, device_mesh,
-        skip_all_reduce_unused_params, batched_grad_copy: not supported; accepted at their defaults only.
+        delay_all_reduce_named_params: not supported, nor are ``param_to_hook_all_reduce``,
+            ``mixed_precision``, ``device_mesh``, ``skip_all_reduce_unused_params`` and ``batched_grad_copy``;
+            each is accepted at its default only.
         check_finite: before a bucket is communicated, check that it holds no NaN or infinity, and raise
             :class:`~gradcomm.comm.faults.NonFiniteGradientError` naming the first such parameter and the
             rank otherwise (the values never leave the rank). Costs one pass over the gradients per step
@@ -376,11 +377,12 @@ class DistributedDataParallel(TorchDDPSurface):
                     broadcast_coalesced(buffers, self._group, source)
 
     def _module_buffers(self) -> list[torch.Tensor]:
-        """``list(self.module.buffers())`` without walking the module tree at every forward (1.0 ms a step for
-        1,200 submodules, most without buffers): the submodules that hold buffers are listed at the first
-        forward (torch's DDP lists the buffers themselves once, at construction), and their buffers are read
-        afresh, so a reassigned one (``bn.running_mean = t``) is the one broadcast; one registered later on a
-        submodule that had none is not."""
+        """``list(self.module.buffers())`` without walking the module tree at every forward (a cost per
+        submodule, most of them without buffers; figures in
+        ``docs/notes/2026-11-27-figures-from-docstrings.md``): the submodules that hold buffers are listed at
+        the first forward (torch's DDP lists the buffers themselves once, at construction), and their buffers
+        are read afresh, so a reassigned one (``bn.running_mean = t``) is the one broadcast; one registered
+        later on a submodule that had none is not."""
         if self._buffer_owners is None:
             self._buffer_owners = [module for module in self.module.modules() if module._buffers]
         unique: dict[int, torch.Tensor] = {}

@@ -1,8 +1,9 @@
 """Writing gradients into their bucket a run of neighbours at a time.
 
 Each gradient is copied into its bucket view and, with the default reduction, multiplied by ``1 / world_size``
-(torch's pre-division). One torch call per gradient from Python costs about 3 us, which dominates for small
-tensors: a model of 1600 parameter tensors pays 5 ms per step for it. So small gradients are *staged*: kept
+(torch's pre-division). The fixed cost of a torch call from Python dominates for small tensors, and a model
+of 1600 parameter tensors pays it for each of them every step (figures in
+``docs/notes/2026-11-27-figures-from-docstrings.md``). So small gradients are *staged*: kept
 until a run of neighbouring views (adjacent positions in the bucket, as they arrive once the buckets follow
 the gradients' ready order) reaches :data:`RUN_BYTES`, then copied with one ``_foreach_copy_`` and scaled with
 one ``mul_`` over the run's stretch of the buffer, while the gradients are still in cache. Every element is

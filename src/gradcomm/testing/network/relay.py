@@ -3,9 +3,9 @@
 It runs as a separate process in the switch namespace, where there is then no bridge, and forwards Ethernet
 frames between the ports, each ``latency_s`` after the kernel received it, through ``AF_PACKET`` sockets with
 ``PACKET_VNET_HDR`` so that GSO segments of up to 64 KiB cross as one frame. The ``tbf`` shapers stay in the
-kernel. Measured on a 2-core VM: a 1-float ping-pong at 1 ms one-way latency takes 2.3-2.4 ms (0.15 ms
-without latency), a 2-rank allreduce at 100 Mbit/s and 1 Gbit/s with 1 ms keeps 92% and 85% of the rate. It
-costs one CPU core's share for its Python loop and is not meant for 10 Gbit/s.
+kernel. It adds a little delay of its own to each frame and keeps most, not all, of the shaped rate up to
+1 Gbit/s (figures in ``docs/notes/2026-11-27-figures-from-docstrings.md``). It costs one CPU core's share
+for its Python loop and is not meant for 10 Gbit/s.
 
 :class:`~gradcomm.testing.network.ShapedNetwork` starts it by file path, ``python -I .../network/relay.py
 relay NAMESPACE DELAY_S OWNER_PID PORT=MAC,...``, and waits for it to print ``ready``; it also runs as
