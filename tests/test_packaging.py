@@ -70,14 +70,21 @@ def test_the_skip_variable_allows_any_release(monkeypatch: pytest.MonkeyPatch) -
         check_torch_version("2.4.1")
 
 
+_IMPORT_UNDER_TORCH_2_4 = "import torch; torch.__version__ = '2.4.1'; import gradcomm.hooks; print('imported')"
+
+
 @pytest.mark.timeout(240)
-def test_import_refuses_an_unsupported_torch_unless_told_to_skip() -> None:
-    code = "import torch; torch.__version__ = '2.4.1'; import gradcomm.hooks; print('imported')"
-    refused = _python(code)
+def test_import_refuses_an_unsupported_torch() -> None:
+    refused = _python(_IMPORT_UNDER_TORCH_2_4)
     assert refused.returncode != 0 and "imported" not in refused.stdout
     last = refused.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: gradcomm supports torch>=2.13,<2.14, but torch 2.4.1 is installed"), last
-    skipped = _python(code, **{SKIP_ENV: "1"})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_import_under_an_unsupported_torch_when_told_to_skip() -> None:
+    skipped = _python(_IMPORT_UNDER_TORCH_2_4, **{SKIP_ENV: "1"})
     assert skipped.returncode == 0 and skipped.stdout.strip() == "imported", skipped.stderr
 
 
@@ -87,6 +94,7 @@ def _modules_outside_extras() -> list[str]:
     return sorted(m.name for m in found if not m.name.startswith("gradcomm.integrations."))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_every_module_imports_without_the_bench_extra() -> None:
     modules = _modules_outside_extras()
