@@ -7,5 +7,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # torch is pinned on every line so pip never swaps it; the integrations are tested against these exact releases.
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" -e ".[dev]" \
+.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" -e ".[dev,bench]" \
   "lightning==2.6.6" "accelerate==1.15.0"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets up the environment if needed, then runs lint, the API docs' strict build and the whole test suite.
+# Sets up the environment if needed, then runs lint, the API docs' strict build and the whole test suite (what CI
+# runs). Arguments go to pytest: `bash scripts/test.sh -m "not slow"` is the fast tier, for every edit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -234,11 +234,13 @@ def _check_group(results: list[dict[str, Any]], kind: str) -> None:
     np.testing.assert_array_equal(results[0]["join"]["params"], results[1]["join"]["params"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_gradcomm_hooks_on_torch_ddp_under_accelerate() -> None:
     _check_group(run_on_ranks(_accelerate_group, world_size=2, args=("torch",), timeout=220), "torch")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_gradcomm_ddp_under_accelerate() -> None:
     _check_group(run_on_ranks(_accelerate_group, world_size=2, args=("gradcomm",), timeout=220), "gradcomm")
@@ -276,11 +278,13 @@ def _check_resume(results: list[dict[str, Any]]) -> None:
     np.testing.assert_array_equal(results[0]["resumed"], results[1]["resumed"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_save_state_resumes_powersgd_on_gradcomm_ddp(tmp_path: Any) -> None:
     _check_resume(run_on_ranks(_resume, world_size=2, args=("gradcomm", str(tmp_path)), timeout=160))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_save_state_resumes_powersgd_on_torch_ddp(tmp_path: Any) -> None:
     _check_resume(run_on_ranks(_resume, world_size=2, args=("torch", str(tmp_path)), timeout=160))

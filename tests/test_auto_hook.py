@@ -101,12 +101,14 @@ def _check_switching(results: list[dict[str, Any]]) -> None:
     assert first["details"]["phase"] == "chosen" and first["details"]["choice"] == "allreduce"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind", ["gradcomm", "torch"])
 def test_decisions_agree_replicas_identical_and_link_changes_switch(kind: str) -> None:
     _check_switching(run_on_ranks(_switching, 2, (kind,), timeout=200))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_three_ranks() -> None:
     _check_switching(run_on_ranks(_switching, 3, ("gradcomm",), timeout=200))
@@ -173,6 +175,7 @@ def _bounded(candidates: str) -> dict[str, Any]:
     return {"choice": state.choice, "eligible": [row["eligible"] for row in state.decisions[-1]["candidates"]]}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_resume_continues_the_choice_without_a_new_trial_and_the_error_bound_excludes(tmp_path: Any) -> None:
     for result in run_on_ranks(_resume, 2, (os.fspath(tmp_path / "ckpt"),), timeout=200):
@@ -198,6 +201,7 @@ def _one_rank() -> dict[str, Any]:
     return {"link": state.link, "trialing": state.trialing, "decision": state.decisions[-1]}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_one_rank_group_measures_compute_only() -> None:
     (result,) = run_on_ranks(_one_rank, world_size=1, timeout=100)
@@ -234,6 +238,7 @@ def _estimated_and_true_errors(candidates: list[str]) -> list[tuple[float, float
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sampled_error_estimates_the_error_of_every_element() -> None:
     # Unweighted, the sample read 240 for signSGD's 723 and 0.76 for top-k's 0.92: biased towards exactness.

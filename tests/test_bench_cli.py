@@ -102,6 +102,7 @@ def no_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(launch, "run_ranks", refuse)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_writes_table_json_csv_and_plot(tmp_path: Path) -> None:
     out = tmp_path / "run"
@@ -379,6 +380,7 @@ def _noisy_rank() -> int:
     return dist.get_rank()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_rank_output_goes_to_log_files_not_the_terminal(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
     with pytest.raises(RankFailure) as info:
@@ -397,6 +399,7 @@ def test_rank_output_goes_to_log_files_not_the_terminal(tmp_path: Path, capfd: p
         assert "rank output on stdout" in log
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_dead_rank_ends_the_run_with_one_line_and_no_children(tmp_path: Path) -> None:
     """The survivor reports losing its peer and exits with status 1 by itself (no C++ abort, SIGABRT, at exit)."""
@@ -428,6 +431,7 @@ def test_dead_rank_ends_the_run_with_one_line_and_no_children(tmp_path: Path) ->
     assert "SIGABRT" not in report and "terminate called" not in report, report
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_ranks_die_with_their_parent(tmp_path: Path) -> None:
     """A parent killed with SIGKILL runs no clean-up; the kernel kills its ranks (PR_SET_PDEATHSIG)."""
@@ -452,6 +456,7 @@ def test_ranks_die_with_their_parent(tmp_path: Path) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("to", ["parent", "process group"])
 def test_sigint_under_bandwidth_ends_ranks_and_namespaces_within_seconds(
@@ -486,6 +491,7 @@ def test_sigint_under_bandwidth_ends_ranks_and_namespaces_within_seconds(
     assert [name for name in _netns_names() if name.startswith(f"gc{bench.pid}-")] == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_run_removes_the_namespaces_of_a_killed_run(tmp_path: Path, privileged: None) -> None:
     """Namespaces named for a dead owner pid are removed, with the processes still in them, before a run."""

@@ -138,6 +138,7 @@ def _bench(output: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_two_hosts_of_two_ranks_measure_the_host_links(tmp_path: Path, privileged: None) -> None:
     output = tmp_path / "run"
@@ -177,6 +178,7 @@ def test_two_hosts_of_two_ranks_measure_the_host_links(tmp_path: Path, privilege
     assert [name for name in _netns_names() if name.startswith(f"gc{bench.pid}-")] == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_killed_rank_ends_both_torchruns_and_the_namespaces(tmp_path: Path, privileged: None) -> None:
     output = tmp_path / "run"
@@ -237,6 +239,7 @@ def _wait_until_training(bench: subprocess.Popen, log: Path, rank: int, within: 
     pytest.fail(f"rank {rank} never started training (exit {bench.returncode}): {err}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ctrl_c_ends_both_torchruns_and_the_namespaces(tmp_path: Path, privileged: None) -> None:
     """SIGINT reaches the parent alone (each torchrun has its own session); it stops them and their ranks."""
@@ -267,6 +270,7 @@ def test_link_counters_refuse_another_namespaces_sysfs(monkeypatch: pytest.Monke
         HostNetwork(2, parse_rate("1gbit")).exec_command(0, ["true"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_run_past_its_timeout_ends_in_one_line(tmp_path: Path, privileged: None) -> None:
     output = tmp_path / "run"
@@ -284,6 +288,7 @@ def test_a_run_past_its_timeout_ends_in_one_line(tmp_path: Path, privileged: Non
     assert [name for name in _netns_names() if name.startswith(f"gc{bench.pid}-")] == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_killed_parent_s_torchruns_end_their_ranks_and_the_next_run_removes_its_hosts(
     tmp_path: Path, privileged: None

@@ -93,6 +93,7 @@ def _save_one_rank_checkpoint(path: str) -> None:
     save_checkpoint(path, model, optimizer, state, averager=PeriodicModelAverager(PERIOD, START).state_dict(), step=STOP)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("kind, world_size", KIND_WORLD_SIZES, ids=[kind for kind, _ in KIND_WORLD_SIZES])
 def test_resume_in_fresh_processes_equals_uninterrupted_run_and_other_world_size_is_refused(

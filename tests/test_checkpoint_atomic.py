@@ -100,6 +100,7 @@ def _load_then_save_again(path: str) -> dict[str, Any]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_rank_killed_inside_torch_save_leaves_the_previous_checkpoint_loadable_on_every_rank(tmp_path):
     path = str(tmp_path / "checkpoint")
@@ -159,6 +160,7 @@ def _failing_saves(path: str) -> dict[str, Any]:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_failed_write_or_commit_raises_on_every_rank_and_keeps_the_previous_checkpoint(tmp_path):
     path = str(tmp_path / "checkpoint")
@@ -220,6 +222,7 @@ def _load_broken_folders(base: str) -> dict[str, Any]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_folders_without_one_complete_checkpoint_raise_on_every_rank_naming_ranks_and_steps(tmp_path):
     found = run_on_ranks(_load_broken_folders, 3, args=(str(tmp_path),), timeout=120)
@@ -258,6 +261,7 @@ def _local_folders(base: str) -> dict[str, Any]:
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_ranks_without_a_shared_filesystem_load_through_rank_0s_manifest_and_are_cross_checked(tmp_path):
     found = run_on_ranks(_local_folders, 2, args=(str(tmp_path),), timeout=120)
@@ -283,6 +287,7 @@ def _rank_1_exits_before_loading(path: str) -> None:
         raise
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_peer_lost_while_loading_raises_peer_lost_error(tmp_path):
     path = str(tmp_path / "checkpoint")

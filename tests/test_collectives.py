@@ -25,6 +25,8 @@ from gradcomm.hooks.registry import make_comm_hook
 from gradcomm.testing import run_on_ranks
 from tests.helpers import counting_point_to_point
 
+pytestmark = pytest.mark.slow  # a 2-rank group that waits for gloo's timeout, and a 3-rank one
+
 # (elements, dtype): empty, one element, odd lengths of 1-, 2- and 8-byte elements, and 1.6 MB
 SIZES = [
     (0, torch.float32),

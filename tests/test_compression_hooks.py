@@ -308,6 +308,7 @@ runs = pytest.mark.parametrize("kind", KINDS)
 world_sizes = pytest.mark.parametrize("world_size", WORLD_SIZES)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @runs
 @world_sizes
@@ -322,6 +323,7 @@ def test_every_method_keeps_ranks_identical_and_trains(kind, world_size):
         assert after < before, f"{name}: held-out loss went from {before} to {after}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @runs
 @world_sizes
@@ -334,6 +336,7 @@ def test_traffic_equals_payload_sizes(kind, world_size):
             assert rank[kind]["methods"][name]["bytes"] == expected, name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @runs
 @world_sizes
@@ -348,6 +351,7 @@ def test_allgathered_methods_carry_dense_tensors_on_two_ranks(kind, world_size):
             assert np.array_equal(params, apart), f"{name}: the dense tensors' mean changed with their collective"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @runs
 @world_sizes
@@ -357,6 +361,7 @@ def test_first_step_averages_what_ranks_sent(kind, world_size):
             assert rank[kind]["methods"][name]["first_step_error"] <= 1.0, name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @runs
 @world_sizes
@@ -370,6 +375,7 @@ def test_resume_from_weights_only_checkpoint(kind, world_size):
             assert gap <= allowed, f"{name}: the resumed run's parameters differ by up to {gap}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_deterministic_methods_agree_across_ddp_kinds():
     """On 2 ranks (where a dense sum cannot depend on order) bucket layouts must not change the result."""
@@ -466,6 +472,7 @@ def _every_hook_call(write_into_buffer: bool) -> dict[str, list[tuple[bool, byte
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_hook_writes_the_average_into_the_bucket_with_a_new_tensors_values():
     into_buffer, new_tensor = (run_on_ranks(_every_hook_call, 1, args=(flag,))[0] for flag in (True, False))

@@ -199,6 +199,7 @@ def test_stochastic_rounding_at_the_noise_extremes(make, noise, dtype, monkeypat
         assert not y[x == 0].any()
 
 
+@pytest.mark.slow
 @SLOW
 @given(x=unbiased_inputs, seed=st.integers(0, 1000))
 def test_qsgd_is_unbiased(x, seed):
@@ -208,6 +209,7 @@ def test_qsgd_is_unbiased(x, seed):
     _assert_unbiased(_mean_of_draws(compressor, x, DRAWS), x, bucket_norms / compressor.levels / 2)
 
 
+@pytest.mark.slow
 @SLOW
 @given(x=unbiased_inputs, seed=st.integers(0, 1000))
 def test_terngrad_without_clipping_is_unbiased(x, seed):

@@ -30,6 +30,8 @@ from gradcomm.compression.registry import methods
 from gradcomm.hooks.registry import register_comm_hook_by_name
 from gradcomm.testing import run_on_ranks
 
+pytestmark = pytest.mark.slow  # trains every method to convergence
+
 STEPS = 400
 MARGIN = 0.5
 # Options where a method does not run with its defaults plus error feedback wherever it allows it.

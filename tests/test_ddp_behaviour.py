@@ -304,7 +304,7 @@ def _legacy_checks(world: int) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)], ids=lambda n: f"world{n}")
 def observed(request: pytest.FixtureRequest) -> dict[str, Any]:
     return run_on_ranks(engine_checks, request.param, timeout=180)[0]
 

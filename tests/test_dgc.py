@@ -330,6 +330,7 @@ def _rank_train_and_resume() -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_trains_on_two_ranks_by_name_with_identical_replicas_and_exact_resume():
     ranks = run_on_ranks(_rank_train_and_resume, 2, timeout=120, collective_timeout=30)

@@ -128,6 +128,7 @@ def _constructor_checks() -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_constructor_arguments_behave_as_torch() -> None:
     out = run_on_ranks(_constructor_checks, world_size=2, timeout=150)[1]
@@ -191,6 +192,7 @@ def _join_buffer_checks() -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_join_leaves_buffers_alone_when_buffer_sync_is_off_as_torch() -> None:
     ranks = run_on_ranks(_join_buffer_checks, world_size=2, timeout=150)
@@ -263,6 +265,7 @@ def _torch_surface_checks() -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_torch_internals_frameworks_use() -> None:
     out = run_on_ranks(_torch_surface_checks, world_size=2, timeout=210)[0]
@@ -345,6 +348,7 @@ def _hook_error_checks() -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_hook_contract_errors_are_runtime_errors_with_gradcomm_messages() -> None:
     out = run_on_ranks(_hook_error_checks, world_size=2, timeout=90)[0]
@@ -383,6 +387,7 @@ def _pickle_checks() -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_pickling_drops_the_group_and_rebuilds_like_torch() -> None:
     import io
@@ -446,6 +451,7 @@ def _sparse_checks() -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_sparse_gradients_match_torch() -> None:
     out = run_on_ranks(_sparse_checks, world_size=2, timeout=120)[1]

@@ -211,12 +211,14 @@ MESSAGES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("check", list(MESSAGES))
 def test_messages_with_a_process_group(observed: dict[str, str], check: str) -> None:
     assert re.search(MESSAGES[check], observed[check]), f"{check}: {observed[check]}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("name", "advice"), list(_REFUSED.items()))
 def test_refused_torch_methods_name_the_method_and_what_to_do(

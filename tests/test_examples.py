@@ -22,6 +22,7 @@ def test_readme_shows_the_example_file() -> None:
     assert shown == script, "README's minimal example and examples/minimal.py differ: copy the file into the README"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_example_runs_under_torchrun(tmp_path: Path) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")

@@ -22,6 +22,8 @@ from torch import nn
 import gradcomm
 from gradcomm.testing import run_on_ranks
 
+pytestmark = pytest.mark.slow  # every test reads one spawned comparison with torch's DDP
+
 STEPS = 4
 
 

@@ -135,6 +135,7 @@ def _four_ranks() -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_nodes_of_two_ranks() -> None:
     by_rank = run_on_ranks(_four_ranks, world_size=4, timeout=280, collective_timeout=25)
@@ -240,6 +241,7 @@ def _two_ranks() -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_one_node_one_rank_per_node_and_topology_errors() -> None:
     by_rank = run_on_ranks(_two_ranks, world_size=2, timeout=180)

@@ -349,6 +349,7 @@ def check_on_ranks(examples: int) -> dict[str, Any]:
     return {"ran": [str(r) for r in ran], "failures": failures}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_hooks_agree_on_code_on_ranks(world_size: int) -> None:

@@ -328,7 +328,11 @@ def _check_all_hooks_per_kind(kinds: tuple[str, ...]) -> dict[str, dict[str, dic
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda world_size: f"{world_size}ranks")
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(n, marks=pytest.mark.slow) if n > 2 else n for n in WORLD_SIZES],
+    ids=lambda world_size: f"{world_size}ranks",
+)
 def reports_per_kind(request: pytest.FixtureRequest) -> tuple[int, dict[str, dict[str, dict[str, Any]] | str]]:
     world_size = request.param
     return world_size, run_on_ranks(_check_all_hooks_per_kind, world_size, args=(DDP_KINDS,), timeout=100)[0]
@@ -547,6 +551,7 @@ def _quantization_hooks_against_plain_mean() -> list[str]:
     return failures
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_quantization_hooks_compute_the_plain_mean_in_place():
     """The quantization hooks quantize in the bucket's memory (where it is float32 and needs no padding) and

@@ -206,6 +206,7 @@ def _same_on_ranks(observed: list[dict[str, Any]], run: str) -> np.ndarray:
     return params[0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fit_allreduce_and_powersgd(observed: list[dict[str, Any]]) -> None:
     for rank in observed:
@@ -219,6 +220,7 @@ def test_fit_allreduce_and_powersgd(observed: list[dict[str, Any]]) -> None:
     _same_on_ranks(observed, "powersgd")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_resumed_fit_continues_bit_for_bit(observed: list[dict[str, Any]]) -> None:
     checkpoint = observed[0]["checkpoint"]
@@ -238,6 +240,7 @@ def test_resumed_fit_continues_bit_for_bit(observed: list[dict[str, Any]]) -> No
         assert "Resume with 3 ranks" in rank["resumed"]["wrong_world_size"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_manual_optimization_synchronises(observed: list[dict[str, Any]]) -> None:
     for rank in observed:
@@ -247,6 +250,7 @@ def test_manual_optimization_synchronises(observed: list[dict[str, Any]]) -> Non
     _same_on_ranks(observed, "manual")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_static_graph_fits(observed: list[dict[str, Any]]) -> None:
     assert isinstance(observed[0]["static_graph"], dict), observed[0]["static_graph"]
@@ -254,6 +258,7 @@ def test_static_graph_fits(observed: list[dict[str, Any]]) -> None:
     _same_on_ranks(observed, "static_graph")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_post_local_sgd_averages(observed: list[dict[str, Any]]) -> None:
     # steps 0, 1: global gradient averaging; from step 2 local SGD, parameters averaged at steps 2, 5, 8, 11
@@ -265,6 +270,7 @@ def test_post_local_sgd_averages(observed: list[dict[str, Any]]) -> None:
     assert np.array_equal(observed[0]["post_local"]["params"], observed[0]["post_local_torch"]["params"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_post_local_sgd_resumes_in_the_local_phase(observed: list[dict[str, Any]]) -> None:
     for rank in observed:

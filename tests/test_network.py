@@ -233,6 +233,7 @@ def _floor_s(net: ShapedNetwork) -> float:
     return (ALLREDUCE_BYTES - net.burst_bytes) * 8 / net.rate_bps
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_allreduce_is_limited_by_link_rate_and_latency(privileged: None) -> None:
     rate, latency = parse_rate("20mbit"), parse_duration("5ms")
@@ -256,6 +257,7 @@ def test_allreduce_is_limited_by_link_rate_and_latency(privileged: None) -> None
     assert _ours(net.prefix) == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_high_rate_is_much_faster_but_still_shaped(privileged: None) -> None:
     slow_floor = (ALLREDUCE_BYTES * 8) / parse_rate("20mbit")
@@ -331,6 +333,7 @@ def _wait_gone(pid: int, seconds: float) -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_removes_the_network_and_chains(privileged: None, signum: int) -> None:
@@ -346,6 +349,7 @@ def test_signal_removes_the_network_and_chains(privileged: None, signum: int) ->
     assert _wait_gone(relay_pid, 10), "the relay survived its network"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_remove_stale_networks_after_a_killed_owner(privileged: None) -> None:
     child, prefix, relay_pid = _start_child()

@@ -180,6 +180,7 @@ def _assert_same_run(a: dict, b: dict, exact: bool) -> None:
         np.testing.assert_allclose(np.stack(a["params"]), np.stack(b["params"]), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("kind", DDP_KINDS)

@@ -701,6 +701,7 @@ def _assert_same_as_torch(result: dict[str, Any]) -> None:
     assert result["state_error"] == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("case", LAYER_WISE_TORCH_CASES)
@@ -726,6 +727,7 @@ def test_exact_when_rank_covers_gradients(world2: list[dict[str, Any]], kind: st
     _assert_ranks_identical([r["exact"][case]["params"] for r in ranks], case)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("hook_name", list(HOOKS))
@@ -751,6 +753,7 @@ def test_checkpoint_resume_is_bit_exact(
     _assert_ranks_identical([r[f"{hook_name}/{how}"]["params"] for r in _of_kind(resumed, kind)], "resumed")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("kind", KINDS)
 def test_checkpoint_resumes_in_other_buckets(
@@ -767,6 +770,7 @@ def test_checkpoint_resumes_in_other_buckets(
     _assert_ranks_identical([r["other_buckets"]["params"] for r in _of_kind(resumed, kind)], "other buckets")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT)
 def test_checkpoint_from_other_world_size_is_refused(world3: list[Any]) -> None:
     for messages in (r["other_world_size"] for r in world3):
@@ -775,6 +779,7 @@ def test_checkpoint_from_other_world_size_is_refused(world3: list[Any]) -> None:
             assert "written by a process group of 2 ranks" in message and "has 3" in message, message
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("kind", KINDS)
 def test_error_feedback_keeps_applied_updates_on_track(world3: list[dict[str, Any]], kind: str) -> None:
@@ -795,6 +800,7 @@ def test_error_feedback_keeps_applied_updates_on_track(world3: list[dict[str, An
     assert without_ef["gaps"][-1] > 2 * without_ef["gaps"][EF_STEPS // 2 - 1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("case", list(ZERO_CASES))
@@ -809,6 +815,7 @@ def test_zero_gradients_give_no_nan(world3: list[dict[str, Any]], kind: str, cas
     assert not all(control["finite"]), "the scenario must make torch's own hook divide by a zero norm"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("case", list(STATS_CASES))
@@ -824,6 +831,7 @@ def test_compression_stats(world3: list[dict[str, Any]], kind: str, case: str) -
         assert rate == pytest.approx(664 / after_per_step)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("hook_name", list(HOOKS))

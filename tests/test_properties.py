@@ -768,6 +768,7 @@ def test_required_and_warmup_options_are_set() -> None:
             assert FIXED_OPTIONS[hook]["min_numel"] == 1, f"hook {hook!r}: compress every tensor (min_numel=1)"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 60)  # the first test runs both spawned groups
 @pytest.mark.parametrize("hook", hook_names())
 def test_hook_keeps_replicas_identical_finite_and_averaged(

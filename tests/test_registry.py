@@ -139,7 +139,10 @@ KIND_WORLD_SIZES = [(kind, 2 if kind == "torch" else 3) for kind in DDP_KINDS]
 
 @pytest.mark.timeout(160)
 @pytest.mark.parametrize("case", list(TRAIN_CASES))
-@pytest.mark.parametrize("kind, world_size", KIND_WORLD_SIZES, ids=[kind for kind, _ in KIND_WORLD_SIZES])
+@pytest.mark.parametrize(
+    "kind, world_size",
+    [pytest.param(kind, n, id=kind, marks=pytest.mark.slow if n > 2 else ()) for kind, n in KIND_WORLD_SIZES],
+)
 def test_every_hook_registers_by_name_and_trains(kind, world_size, case):
     by_rank = [ranks[case] for ranks in _trained(kind, world_size)]
     for rank, result in enumerate(by_rank):

@@ -626,6 +626,7 @@ KILLED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", list(KILLED))
 def test_killed_rank_fails_the_others_quickly_and_leaves_no_process(case: str) -> None:
@@ -701,6 +702,7 @@ def stopped_in_backward(hook: str, options: dict[str, Any], folder: str) -> None
         os.kill(int((path / "stopped").read_text()), signal.SIGKILL)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("hook", list(STOPPED_HOOKS))
 def test_stopped_rank_fails_every_other_rank_within_the_group_timeout(hook: str, tmp_path: Path) -> None:

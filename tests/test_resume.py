@@ -70,6 +70,7 @@ def resumed(path: str) -> dict[str, Any]:
     return {"losses": _steps(ddp, optimizer, range(STOP, STEPS)), "params": _params(ddp), "layout": layout}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_powersgd_resumes_bit_for_bit_on_gradcomm_ddp(tmp_path: Any) -> None:
     path = str(tmp_path / "checkpoint")

@@ -115,6 +115,7 @@ def telemetry_checks(jsonl_dir: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_telemetry(tmp_path: Any, world_size: int) -> None:
     observed = run_on_ranks(telemetry_checks, world_size, args=(str(tmp_path),), timeout=150)

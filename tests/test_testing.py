@@ -64,6 +64,7 @@ def test_failing_rank_traceback_is_reported():
         run_on_ranks(_raise_on_rank_one, 2, collective_timeout=10)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_dead_rank_and_stuck_rank_fail_within_timeout():
     with pytest.raises(RankError, match=r"rank 1 of 2 exited with code 3"):
@@ -119,6 +120,7 @@ def test_launch_logs_ignores_sigint_and_names_the_raising_rank(tmp_path):
     assert "ValueError: rank 1 fails on purpose" in outcome.logs[1].read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_launch_dead_rank_is_the_cause_and_its_stuck_peer_is_killed():
     outcome = launch(_rank_zero_dies_rank_one_sleeps, 2, timeout=50, collective_timeout=30)

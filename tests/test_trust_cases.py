@@ -34,6 +34,8 @@ from gradcomm.hooks.powersgd import kernel as powersgd_kernel
 from gradcomm.testing import run_on_ranks
 from tests.helpers import error_text
 
+pytestmark = pytest.mark.slow  # every test reads one spawned group's results
+
 FAULT_TIMEOUT = 3.0
 
 

@@ -6,6 +6,8 @@ the contract of PyTorch's DDP communication hooks. Hooks live in :mod:`gradcomm.
 :class:`LegacyDistributedDataParallel` reduces explicitly after backward through the same hooks.
 """
 
+# First, so that an unsupported torch is refused with the fix before any module touches torch's internals.
+from gradcomm import _torch_version  # noqa: F401
 from gradcomm.comm.faults import NonFiniteGradientError, ParameterDriftError, PeerLostError
 from gradcomm.ddp.agreement import RanksDisagreeError
 from gradcomm.ddp.averagers import PeriodicModelAverager

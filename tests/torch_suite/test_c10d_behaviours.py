@@ -157,6 +157,7 @@ def _check(name: str) -> None:
     assert outcome == PASS, f"{name} with gradcomm's DDP: {outcome}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
 @pytest.mark.parametrize(
     "name",

@@ -15,6 +15,8 @@ import pytest
 from tests.torch_suite.cases import CI_PASSING, EXCLUDED, GRADCOMM_FAILURES, selected_cases
 from tests.torch_suite.runner import PASS, CaseResult, run_cases
 
+pytestmark = pytest.mark.slow  # runs torch's own distributed_test.py cases
+
 pytest.importorskip("expecttest", reason="torch.testing._internal needs expecttest (pip install expecttest)")
 
 RUN_TIMEOUT = 240

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import logging
 import math
@@ -38,6 +39,9 @@ from gradcomm.errors import GradcommError
 __all__ = ["DEFAULT_HOOKS", "DESCRIPTION", "EPILOG", "add_arguments", "run"]
 
 logger = logging.getLogger(__name__)
+
+BENCH_EXTRA = ("rich", "matplotlib")
+"""The modules of pyproject's ``bench`` extra: the table and progress bar (rich) and the plot (matplotlib)."""
 
 DEFAULT_HOOKS = (
     "allreduce",
@@ -227,6 +231,7 @@ def _check_target(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Run the bench; return the exit status. ``argv``: the bench's own arguments, passed on by ``--nodes``."""
     try:
+        _check_bench_extra()
         if {"RANK", "WORLD_SIZE", "LOCAL_RANK"} <= os.environ.keys():
             return _run_under_torchrun(args)
         if args.nodes is not None or args.procs_per_node is not None:
@@ -238,6 +243,18 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("gradcomm bench: interrupted; all ranks and network namespaces were removed", file=sys.stderr)
         return 130
+
+
+def _check_bench_extra() -> None:
+    """The bench's own dependencies, checked before any rank trains: a run must not end, minutes later,
+    unable to print its table or draw its plot. They are the ``bench`` extra, not gradcomm's dependencies."""
+    missing = [name for name in BENCH_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        raise BenchError(
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed; "
+            "install the bench's dependencies with: pip install 'gradcomm[bench]'",
+            status=1,
+        )
 
 
 def _output_folder(path: Path | None) -> Path:
