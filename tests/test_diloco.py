@@ -8,12 +8,14 @@ One spawned group per world size runs every scenario and returns plain values; t
 from __future__ import annotations
 
 import io
+import tempfile
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from gradcomm.ddp.checkpoint import load_checkpoint, save_checkpoint
 from gradcomm.diloco import DiLoCo
 from gradcomm.testing import run_on_ranks
 from tests.helpers import error_text
@@ -124,9 +126,10 @@ def _train(diloco: DiLoCo, model: torch.nn.Module, first: int, last: int) -> Non
         diloco.zero_grad()
 
 
-def _resume(fragments: int, overlap: int, compressor: str | None) -> dict[str, Any]:
+def _resume(fragments: int, overlap: int, compressor: str | None, via_checkpoint: bool) -> dict[str, Any]:
     """Train STEPS steps straight, and again stopping after step 6 (mid-interval, an exchange in flight with
-    ``overlap``) to resume from a ``weights_only`` state in a fresh model, inner optimizer and DiLoCo."""
+    ``overlap``) to resume from a ``weights_only`` state in a fresh model, inner optimizer and DiLoCo (through
+    ``save_checkpoint``/``load_checkpoint`` with ``via_checkpoint``)."""
     options = dict(sync_every=H, fragments=fragments, overlap=overlap, compressor=compressor)
     model = _model()
     straight = DiLoCo(model, _inner(model), **options)
@@ -136,18 +139,26 @@ def _resume(fragments: int, overlap: int, compressor: str | None) -> dict[str, A
     inner = _inner(first)
     interrupted = DiLoCo(first, inner, **options)
     _train(interrupted, first, 1, 6)
-    saved = io.BytesIO()
-    torch.save(
-        {"model": first.state_dict(), "inner": inner.state_dict(), "diloco": interrupted.state_dict()}, saved
-    )
-    saved.seek(0)
-    loaded = torch.load(saved, weights_only=True)
     second = _model()
-    inner = _inner(second)
-    resumed = DiLoCo(second, inner, **options)
-    second.load_state_dict(loaded["model"])
-    inner.load_state_dict(loaded["inner"])
-    resumed.load_state_dict(loaded["diloco"])
+    second_inner = _inner(second)
+    if via_checkpoint:
+        folder = [tempfile.mkdtemp(prefix="diloco-") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(folder)
+        save_checkpoint(folder[0], first, inner, interrupted, step=6)
+        resumed = DiLoCo(second, second_inner, **options)
+        load_checkpoint(folder[0], second, second_inner, resumed)
+    else:
+        saved = io.BytesIO()
+        torch.save(
+            {"model": first.state_dict(), "inner": inner.state_dict(), "diloco": interrupted.state_dict()},
+            saved,
+        )
+        saved.seek(0)
+        loaded = torch.load(saved, weights_only=True)
+        resumed = DiLoCo(second, second_inner, **options)
+        second.load_state_dict(loaded["model"])
+        second_inner.load_state_dict(loaded["inner"])
+        resumed.load_state_dict(loaded["diloco"])
     _train(resumed, second, 7, STEPS)
     return {
         "equal": all(torch.equal(a, b) for a, b in zip(model.parameters(), second.parameters(), strict=True)),
@@ -175,8 +186,10 @@ def scenarios() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for fragments, overlap in [(1, 0), (2, 0), (2, 1)]:
         out[f"reference-{fragments}-{overlap}"] = _against_reference(fragments, overlap)
-    for fragments, overlap, compressor in [(1, 0, None), (2, 1, None), (2, 0, "topk:ratio=0.25")]:
-        out[f"resume-{fragments}-{overlap}-{compressor}"] = _resume(fragments, overlap, compressor)
+    for fragments, overlap, compressor in [(1, 0, None), (2, 1, None), (2, 0, "topk:ratio=0.25,min_numel=0")]:
+        out[f"resume-{fragments}-{overlap}-{compressor}"] = _resume(
+            fragments, overlap, compressor, compressor is not None
+        )
     out["bytes"] = {name: _bytes_per_sync(name) for name in (None, "fp16_compress")}
     out["disagree"] = _disagreeing()
     return out
@@ -215,7 +228,7 @@ def test_replicas_identical_right_after_each_sync_and_differ_between(ranks: list
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("case", ["1-0-None", "2-1-None", "2-0-topk:ratio=0.25"])
+@pytest.mark.parametrize("case", ["1-0-None", "2-1-None", "2-0-topk:ratio=0.25,min_numel=0"])
 def test_resume_equals_the_uninterrupted_run(ranks: list[dict[str, Any]], case: str) -> None:
     for rank in ranks:
         run = rank[f"resume-{case}"]

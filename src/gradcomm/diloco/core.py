@@ -14,12 +14,12 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from gradcomm.ddp.agreement import broadcast_coalesced, check_same_parameters
-from gradcomm.ddp.hook_runner import HookRunner
 from gradcomm.ddp.telemetry import CommStats
 from gradcomm.diloco.exchange import FragmentExchange, PendingExchange
 from gradcomm.diloco.fragments import Fragment, split_into_fragments
 from gradcomm.diloco.groups import across_nodes_group, unwrap_ddp
-from gradcomm.diloco.state import compressor_hook, describe_outer, load_diloco_state
+from gradcomm.diloco.runners import FragmentRunners
+from gradcomm.diloco.state import Compressor, describe_outer, load_diloco_state
 from gradcomm.hooks.parameter_keys import name_parameters
 
 __all__ = ["DiLoCo"]
@@ -46,8 +46,10 @@ class DiLoCo:
         outer_lr, outer_momentum, nesterov: the default outer optimizer, SGD with Nesterov momentum.
         outer_optimizer: instead, a factory ``anchors -> Optimizer`` (the anchors are plain tensors).
         compressor: how pseudo-gradients are reduced: ``None`` (averaging allreduce), a hook name with options
-            (``"fp16_compress"``, ``"qsgd"``, ``"topk:ratio=0.01"``, see :mod:`gradcomm.hooks.registry`), or a
-            ``(state, hook)`` pair.
+            (``"fp16_compress"``, ``"qsgd"``, ``"topk:ratio=0.01"``, see :mod:`gradcomm.hooks.registry`), a
+            callable returning a fresh ``(state, hook)`` pair, or a ``(state, hook)`` pair. Every fragment gets a
+            state of its own (see :mod:`gradcomm.diloco.runners`): a pair's state is shared by the fragments,
+            so with ``fragments > 1`` give a stateful hook by name or by callable.
         mixing: with ``overlap``, Streaming DiLoCo's ``alpha``: a synced fragment becomes ``alpha * local +
             (1 - alpha) * global``; 0 (the default) replaces it with the global value, keeping replicas identical.
         anchor_device: where the anchors and the outer optimizer's state live (``"cpu"`` saves accelerator
@@ -72,7 +74,7 @@ class DiLoCo:
         outer_momentum: float = 0.9,
         nesterov: bool = True,
         outer_optimizer: OuterFactory | None = None,
-        compressor: str | tuple[Any, Callable[..., Any]] | None = None,
+        compressor: Compressor = None,
         mixing: float = 0.0,
         anchor_device: torch.device | str | None = None,
         process_group: ProcessGroup | None = None,
@@ -98,12 +100,9 @@ class DiLoCo:
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         name_parameters(module)  # keys of per-parameter compressor state (error feedback)
         self.fragments: list[Fragment] = split_into_fragments(named, fragments, sync_every)
-        self._runner = HookRunner(_WHO, process_group)
-        hook, state = compressor_hook(compressor, process_group)
-        if hook is not None:
-            self._runner.register(state, hook, None, self._setup(outer_optimizer, named))
-        else:
-            self._runner.check_same_setup(self._setup(outer_optimizer, named))
+        self._runners = FragmentRunners(
+            _WHO, fragments, compressor, process_group, self._setup(outer_optimizer)
+        )
         broadcast_coalesced(
             [p for _, p in named], process_group if process_group is not None else dist.group.WORLD
         )
@@ -119,16 +118,13 @@ class DiLoCo:
             )
         self._exchanges: list[FragmentExchange] = []
         for fragment, anchors in zip(self.fragments, self.anchors, strict=True):
-            first = sum(len(e.runs) for e in self._exchanges)
-            self._exchanges.append(FragmentExchange(fragment, anchors, first))
+            self._exchanges.append(FragmentExchange(fragment, anchors))
         self._pending: dict[int, PendingExchange] = {}
         self._synced_at = [0] * len(self.fragments)
         self.inner_steps = 0
         self.synced_steps = 0
 
-    def _setup(
-        self, outer_optimizer: OuterFactory | None, named: list[tuple[str, nn.Parameter]]
-    ) -> dict[str, str]:
+    def _setup(self, outer_optimizer: OuterFactory | None) -> dict[str, str]:
         """What every rank must agree on, as text (compared at construction)."""
         layout = [
             [f"{name}{tuple(p.shape)}:{p.dtype}" for name, p in zip(f.names, f.params, strict=True)]
@@ -147,7 +143,7 @@ class DiLoCo:
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One inner optimizer step; then apply the outer updates that are due and launch the exchanges of
         the fragments whose turn it is (with ``overlap == 0`` they are applied at once)."""
-        self._runner.check_usable("outer exchange")
+        self._runners.check_usable()
         loss = self.inner_optimizer.step(closure) if closure is not None else self.inner_optimizer.step()
         self.inner_steps += 1
         try:
@@ -161,7 +157,7 @@ class DiLoCo:
                     if self.overlap == 0:
                         self._apply(fragment.index)
         except BaseException as exc:
-            self._runner.fail(exc)
+            self._runners.fail(exc)
             raise
         return loss
 
@@ -169,17 +165,17 @@ class DiLoCo:
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
 
     def _launch(self, index: int) -> None:
-        stats = self._runner.stats
+        stats = self._runners.stats
         stats.begin_step()
         world = dist.get_world_size(self.group)
-        self._pending[index] = self._exchanges[index].launch(self._runner, self.inner_steps, world)
+        self._pending[index] = self._exchanges[index].launch(self._runners[index], self.inner_steps, world)
         stats.end_step()
 
     def _apply(self, index: int) -> None:
         """Wait for fragment ``index``'s exchange, step the outer optimizer on its anchors, and set the
         fragment's parameters from them (mixed with the local ones where ``mixing`` > 0)."""
         pending = self._pending[index]
-        averaged = self._exchanges[index].collect(self._runner, pending)
+        averaged = self._exchanges[index].collect(self._runners[index], pending)
         anchors, fragment = self.anchors[index], self.fragments[index]
         for anchor, grad in zip(anchors, averaged, strict=True):
             anchor.grad = grad.to(anchor.device)
@@ -194,7 +190,7 @@ class DiLoCo:
         del self._pending[index]
         self._synced_at[index] = self.inner_steps
         self.synced_steps += 1
-        if self.check_replicas and self.mixing == 0.0 and not self._runner.replicas_may_differ():
+        if self.check_replicas and self.mixing == 0.0 and not self._runners[index].replicas_may_differ():
             when = f"right after outer sync {self.synced_steps} (fragment {index}, inner step {self.inner_steps}),"
             check_same_parameters(
                 list(zip(fragment.names, fragment.params, strict=True)), self.group, _WHO, when
@@ -202,12 +198,12 @@ class DiLoCo:
 
     def wait_pending(self) -> None:
         """Apply every outer update still in flight now (at the end of training, with ``overlap``)."""
-        self._runner.check_usable("outer exchange")
+        self._runners.check_usable()
         try:
             for index in list(self._pending):
                 self._apply(index)
         except BaseException as exc:
-            self._runner.fail(exc)
+            self._runners.fail(exc)
             raise
 
     # -- what the ranks hold -------------------------------------------------------------------------------
@@ -231,27 +227,31 @@ class DiLoCo:
 
     def comm_stats(self) -> CommStats:
         """The outer exchanges' communication statistics on this rank (one ``step`` per fragment sync)."""
-        return self._runner.stats
+        return self._runners.stats
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, anchors, the outer optimizer, the compressor's state and the exchanges in flight (waited
         for: their averaged pseudo-gradients are saved); tensors and plain values (``weights_only`` loads it).
         Save the model and the inner optimizer with it (``gradcomm.save_checkpoint(path, model, inner,
         diloco)`` does)."""
-        self._runner.check_usable("outer exchange")
+        if self._runners.failed:
+            raise RuntimeError(
+                f"{_WHO}.state_dict: an outer exchange failed on this rank, so its counters, outer optimizer and "
+                "exchanges in flight no longer fit one point of the run; resume from the last checkpoint, or take "
+                "the parameters of the last sync with synced_parameters()"
+            )
         try:
             pending = [
                 {
                     "fragment": f,
                     "launched_at": p.launched_at,
-                    "averaged": self._exchanges[f].collect(self._runner, p),
+                    "averaged": self._exchanges[f].collect(self._runners[f], p),
                 }
                 for f, p in sorted(self._pending.items())
             ]
         except BaseException as exc:
-            self._runner.fail(exc)
+            self._runners.fail(exc)
             raise
-        state = self._runner.state
         return {
             "format": "gradcomm.diloco/1",
             "setup": {
@@ -264,7 +264,10 @@ class DiLoCo:
             "synced_at": list(self._synced_at),
             "anchors": self.synced_parameters(),
             "outer_optimizer": self.outer_optimizer.state_dict(),
-            "compressor": state.state_dict() if callable(getattr(state, "state_dict", None)) else None,
+            "compressor": [
+                s.state_dict() if callable(getattr(s, "state_dict", None)) else None
+                for s in self._runners.states()
+            ],
             "pending": pending,
         }
 

@@ -33,16 +33,16 @@ class PendingExchange:
 
 class FragmentExchange:
     """Builds, launches and collects the buckets of one fragment's pseudo-gradients (one bucket per dtype and
-    device, numbered from ``first_index`` so that bucket indices are unique across the fragments)."""
+    device, numbered from 0: each fragment's exchange is one iteration of its own hook state)."""
 
-    def __init__(self, fragment: Fragment, anchors: list[torch.Tensor], first_index: int) -> None:
+    def __init__(self, fragment: Fragment, anchors: list[torch.Tensor]) -> None:
         self.fragment = fragment
         self.anchors = anchors
         by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for position, param in enumerate(fragment.params):
             by_kind.setdefault((param.dtype, param.device), []).append(position)
         self.runs = list(by_kind.values())
-        self.indices = [first_index + k for k in range(len(self.runs))]
+        self.indices = list(range(len(self.runs)))
         self._offsets = [[0] for _ in self.runs]
         for run, offsets in zip(self.runs, self._offsets, strict=True):
             for i in run[:-1]:

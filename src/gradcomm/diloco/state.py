@@ -14,27 +14,32 @@ from gradcomm.hooks.registry import make_comm_hook, parse_hook_choice
 if TYPE_CHECKING:
     from gradcomm.diloco.core import DiLoCo
 
-__all__ = ["FORMAT", "compressor_hook", "describe_outer", "load_diloco_state"]
+__all__ = ["FORMAT", "Compressor", "compressor_hook", "describe_outer", "load_diloco_state"]
 
 FORMAT = "gradcomm.diloco/1"
 
+Pair = tuple[Any, Callable[..., Any]]
+Compressor = str | Pair | Callable[[], Pair] | None
+
 
 def compressor_hook(
-    compressor: str | tuple[Any, Callable[..., Any]] | None, group: ProcessGroup | None
+    compressor: Compressor, group: ProcessGroup | None
 ) -> tuple[Callable[..., Any] | None, Any]:
     """``(hook, state)`` for DiLoCo's ``compressor=``: none, a registry name with options
-    (``"topk:ratio=0.01"``, built on ``group``) or a ``(state, hook)`` pair."""
+    (``"topk:ratio=0.01"``, built on ``group``), a callable returning a ``(state, hook)`` pair, or a pair."""
     if compressor is None:
         return None, None
     if isinstance(compressor, str):
         name, options = parse_hook_choice(compressor)
         return make_comm_hook(name, process_group=group, **options)
+    if callable(compressor):
+        compressor = compressor()
     if isinstance(compressor, tuple) and len(compressor) == 2 and callable(compressor[1]):
         state, hook = compressor
         return hook, state
     raise TypeError(
-        f"gradcomm.DiLoCo: compressor must be None, a hook name such as 'topk:ratio=0.01', or a (state, hook) "
-        f"pair; got {type(compressor).__name__}"
+        "gradcomm.DiLoCo: compressor must be None, a hook name such as 'topk:ratio=0.01', a (state, hook) pair "
+        f"or a callable returning one; got {type(compressor).__name__}"
     )
 
 
@@ -70,15 +75,20 @@ def load_diloco_state(diloco: DiLoCo, saved: dict[str, Any]) -> None:
             raise _refuse(
                 f"parameter {name!r} has shape {tuple(saved['anchors'][name].shape)}, here {tuple(anchor.shape)}"
             )
-    state = diloco._runner.state
-    if (saved["compressor"] is not None) != callable(getattr(state, "load_state_dict", None)):
-        raise _refuse("it was saved with a stateful compressor and this DiLoCo has none, or the reverse")
+    states = diloco._runners.states()
+    saved_states = saved["compressor"]
+    for index, (state, entry) in enumerate(zip(states, saved_states, strict=True)):
+        if (entry is not None) != callable(getattr(state, "load_state_dict", None)):
+            raise _refuse(
+                f"fragment {index}'s compressor state was saved {'with' if entry is not None else 'without'} a state, here it has {'none' if entry is not None else 'one'}"
+            )
     with torch.no_grad():
         for name, anchor in anchors.items():
             anchor.copy_(saved["anchors"][name])
     diloco.outer_optimizer.load_state_dict(saved["outer_optimizer"])
-    if saved["compressor"] is not None:
-        state.load_state_dict(saved["compressor"])
+    for state, entry in zip(states, saved_states, strict=True):
+        if entry is not None:
+            state.load_state_dict(entry)
     diloco.inner_steps, diloco.synced_steps = int(saved["inner_steps"]), int(saved["synced_steps"])
     diloco._synced_at = [int(step) for step in saved["synced_at"]]
     diloco._pending = {}
