@@ -57,13 +57,16 @@ class _Reference:
     anchor (torch's SGD formulas, with its ``add(..., alpha=)`` so that the roundings are the same), the
     fragment replaced by the anchor; launched at the fragment's step, applied ``overlap`` steps later."""
 
-    def __init__(self, fragments: int, overlap: int, lr: float = 0.7, momentum: float = 0.9) -> None:
+    def __init__(
+        self, fragments: int, overlap: int, mixing: float, lr: float = 0.7, momentum: float = 0.9
+    ) -> None:
         self.model = _model()
         self.inner = _inner(self.model)
         self.params = dict(self.model.named_parameters())
         self.anchors = {name: p.detach().clone() for name, p in self.params.items()}
         self.buffers: dict[str, torch.Tensor] = {}
         self.names, self.overlap, self.lr, self.momentum = FRAGMENT_NAMES[fragments], overlap, lr, momentum
+        self.mixing = mixing
         self.pending: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
 
     def step(self, t: int) -> None:
@@ -90,15 +93,16 @@ class _Reference:
                 else:
                     self.buffers[name].mul_(self.momentum).add_(grad)
                 self.anchors[name].add_(grad.add(self.buffers[name], alpha=self.momentum), alpha=-self.lr)
-                self.params[name].copy_(self.anchors[name])
+                self.params[name].lerp_(self.anchors[name], 1 - self.mixing)  # mixing 0: the anchor, exactly
 
 
-def _against_reference(fragments: int, overlap: int) -> dict[str, Any]:
+def _against_reference(fragments: int, overlap: int, mixing: float) -> dict[str, Any]:
     """DiLoCo and the reference side by side; per step whether they agree to the bit, whether a fragment
     synced at that step and whether the replicas were identical after it."""
     model = _model()
-    diloco = DiLoCo(model, _inner(model), sync_every=H, fragments=fragments, overlap=overlap)
-    reference = _Reference(fragments, overlap)
+    options = dict(sync_every=H, fragments=fragments, overlap=overlap, mixing=mixing, anchor_device="cpu")
+    diloco = DiLoCo(model, _inner(model), **options)
+    reference = _Reference(fragments, overlap, mixing)
     out: dict[str, Any] = {"equal": [], "synced": [], "replicas_same": [], "may_differ": []}
     out["fragments"] = [list(f.names) for f in diloco.fragments]
     for t in range(1, STEPS + 1):
@@ -184,8 +188,8 @@ def _disagreeing() -> str:
 
 def scenarios() -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for fragments, overlap in [(1, 0), (2, 0), (2, 1)]:
-        out[f"reference-{fragments}-{overlap}"] = _against_reference(fragments, overlap)
+    for fragments, overlap, mixing in [(1, 0, 0.0), (2, 0, 0.0), (2, 1, 0.0), (1, 2, 0.5)]:
+        out[f"reference-{fragments}-{overlap}-{mixing}"] = _against_reference(fragments, overlap, mixing)
     for fragments, overlap, compressor in [(1, 0, None), (2, 1, None), (2, 0, "topk:ratio=0.25,min_numel=0")]:
         out[f"resume-{fragments}-{overlap}-{compressor}"] = _resume(
             fragments, overlap, compressor, compressor is not None
@@ -201,9 +205,9 @@ def ranks(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("case", ["1-0", "2-0", "2-1"])
+@pytest.mark.parametrize("case", ["1-0-0.0", "2-0-0.0", "2-1-0.0", "1-2-0.5"])
 def test_outer_update_equals_plain_reference_to_the_bit(ranks: list[dict[str, Any]], case: str) -> None:
-    fragments, overlap = map(int, case.split("-"))
+    fragments, overlap = map(int, case.split("-")[:2])
     for rank in ranks:
         run = rank[f"reference-{case}"]
         assert run["fragments"] == FRAGMENT_NAMES[fragments]
@@ -217,14 +221,17 @@ def test_outer_update_equals_plain_reference_to_the_bit(ranks: list[dict[str, An
 
 @pytest.mark.timeout(200)
 def test_replicas_identical_right_after_each_sync_and_differ_between(ranks: list[dict[str, Any]]) -> None:
-    run = ranks[0]["reference-1-0"]
+    run = ranks[0]["reference-1-0-0.0"]
     for t, (synced, same, may_differ) in enumerate(
         zip(run["synced"], run["replicas_same"], run["may_differ"], strict=True), 1
     ):
         assert same == synced, f"step {t}: synced {synced}, replicas identical {same}"
         assert may_differ == (not synced), f"step {t}"
     # with fragments, right after a sync only the synced fragment agrees; the model as a whole differs
-    assert not any(ranks[0]["reference-2-0"]["replicas_same"][H:])
+    assert not any(ranks[0]["reference-2-0-0.0"]["replicas_same"][H:])
+    # mixed with the local values (Streaming DiLoCo's alpha), the replicas never agree again
+    mixed = ranks[0]["reference-1-2-0.5"]
+    assert any(mixed["synced"]) and not any(mixed["replicas_same"]) and all(mixed["may_differ"])
 
 
 @pytest.mark.timeout(200)
