@@ -173,6 +173,31 @@ def _resume(fragments: int, overlap: int, compressor: str | None, via_checkpoint
     }
 
 
+def _same_fragment_on_every_rank(params: tuple[torch.nn.Parameter, ...]) -> bool:
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, flat)
+    return all(torch.equal(other, flat) for other in everyone)
+
+
+def _overlapping_exchanges() -> list[bool]:
+    """Fragments whose exchanges overlap in time (fragments * overlap > sync_every) through a compressor
+    (the built-in replica check off): whether each fragment agrees on every rank right after its syncs."""
+    model = _model()
+    overlap = 3
+    options = dict(
+        sync_every=H, fragments=2, overlap=overlap, compressor="bytegrad:min_numel=0", check_replicas=False
+    )
+    diloco = DiLoCo(model, _inner(model), **options)
+    agreed = []
+    for t in range(1, STEPS + 1):
+        _train(diloco, model, t, t)
+        for fragment in diloco.fragments:
+            if t > overlap and fragment.syncs_at(t - overlap):
+                agreed.append(_same_fragment_on_every_rank(fragment.params))
+    return agreed
+
+
 def _bytes_per_sync(compressor: str | None) -> float:
     model = _model()
     diloco = DiLoCo(model, _inner(model), sync_every=H, compressor=compressor)
@@ -194,6 +219,7 @@ def scenarios() -> dict[str, Any]:
         out[f"resume-{fragments}-{overlap}-{compressor}"] = _resume(
             fragments, overlap, compressor, compressor is not None
         )
+    out["overlapping"] = _overlapping_exchanges()
     out["bytes"] = {name: _bytes_per_sync(name) for name in (None, "fp16_compress")}
     out["disagree"] = _disagreeing()
     return out
@@ -241,6 +267,11 @@ def test_resume_equals_the_uninterrupted_run(ranks: list[dict[str, Any]], case: 
         run = rank[f"resume-{case}"]
         assert run["moved"] and run["equal"], run
         assert run["synced_steps"][0] == run["synced_steps"][1] > 0
+
+
+@pytest.mark.timeout(200)
+def test_exchanges_overlapping_in_time_keep_their_order(ranks: list[dict[str, Any]]) -> None:
+    assert len(ranks[0]["overlapping"]) >= 4 and all(ranks[0]["overlapping"])
 
 
 @pytest.mark.timeout(200)

@@ -13,6 +13,8 @@ import datetime
 import os
 import re
 import signal
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -105,6 +107,50 @@ def test_killed_rank_fails_the_other_at_its_outer_exchange() -> None:
         r"rank 0: PeerLostError: rank 0 lost contact with its peers during step 6, bucket 0 \(hook: default allreduce",
         message,
     ), message
+
+
+def second_stage_late_on_rank_zero(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A two-stage hook whose second allreduce starts from another thread once the first is done (as a
+    completion callback on a backend thread would), late on rank 0."""
+    result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    buffer = bucket.buffer().div_(dist.get_world_size(group))
+
+    def second(first: torch.futures.Future[Any]) -> None:
+        def launch() -> None:
+            if dist.get_rank() == 0:
+                time.sleep(0.5)
+            mean = first.value()[0].div(dist.get_world_size(group))
+            future = dist.all_reduce(mean, group=group, async_op=True).get_future()
+            future.then(lambda f: result.set_result(f.value()[0]))
+
+        threading.Thread(target=launch, daemon=True).start()
+
+    dist.all_reduce(buffer, group=group, async_op=True).get_future().then(second)
+    return result
+
+
+def overlapping_two_stage_exchanges() -> int:
+    """Fragment 1's exchange (launched at step 2, applied at 5) is still in its second stage on rank 0 when
+    fragment 0's starts at step 4: the second must wait, or the ranks' collectives pair up wrongly."""
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=FAULT_TIMEOUT))
+    model = _model()
+    hook = second_stage_late_on_rank_zero
+    diloco = DiLoCo(
+        model,
+        _inner(model),
+        sync_every=4,
+        fragments=2,
+        overlap=3,
+        compressor=lambda: (group, hook),
+        process_group=group,
+    )
+    _train(diloco, model, 1, 9)
+    return diloco.synced_steps
+
+
+@pytest.mark.timeout(120)
+def test_a_hooks_late_second_stage_is_not_overtaken_by_the_next_fragment() -> None:
+    assert run_on_ranks(overlapping_two_stage_exchanges, 2, timeout=90, collective_timeout=30) == [3, 3]
 
 
 def nested_in_ddp(kind: str) -> dict[str, Any]:

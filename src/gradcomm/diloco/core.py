@@ -164,7 +164,17 @@ class DiLoCo:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
 
+    def _settle(self) -> None:
+        """Wait for the exchanges in flight that a hook runs. A hook's later stages are launched from its
+        callbacks, ordered only among that fragment's own calls (one launcher per hook state), so no other
+        collective may start on the group while they run. Only exchanges that overlap in time wait: with
+        ``fragments * overlap < sync_every``, none does."""
+        for index, pending in self._pending.items():
+            if self._runners[index].hook is not None:
+                self._exchanges[index].collect(self._runners[index], pending)
+
     def _launch(self, index: int) -> None:
+        self._settle()
         stats = self._runners.stats
         stats.begin_step()
         world = dist.get_world_size(self.group)
@@ -191,6 +201,7 @@ class DiLoCo:
         self._synced_at[index] = self.inner_steps
         self.synced_steps += 1
         if self.check_replicas and self.mixing == 0.0 and not self._runners[index].replicas_may_differ():
+            self._settle()
             when = f"right after outer sync {self.synced_steps} (fragment {index}, inner step {self.inner_steps}),"
             check_same_parameters(
                 list(zip(fragment.names, fragment.params, strict=True)), self.group, _WHO, when
