@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from gradcomm.ddp.checkpoint import load_checkpoint, save_checkpoint
 from gradcomm.diloco import DiLoCo
+from gradcomm.hooks.registry import make_comm_hook
 from gradcomm.testing import run_on_ranks
 from tests.helpers import error_text
 
@@ -211,6 +212,14 @@ def _disagreeing() -> str:
     return error_text(lambda: DiLoCo(model, _inner(model), sync_every=H + dist.get_rank()))
 
 
+def _shared_stateful_pair() -> str:
+    hook, state = make_comm_hook("topk", ratio=0.25)
+    model = _model()
+    return error_text(
+        lambda: DiLoCo(model, _inner(model), sync_every=H, fragments=2, compressor=(state, hook))
+    )
+
+
 def scenarios() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for fragments, overlap, mixing in [(1, 0, 0.0), (2, 0, 0.0), (2, 1, 0.0), (1, 2, 0.5)]:
@@ -222,6 +231,7 @@ def scenarios() -> dict[str, Any]:
     out["overlapping"] = _overlapping_exchanges()
     out["bytes"] = {name: _bytes_per_sync(name) for name in (None, "fp16_compress")}
     out["disagree"] = _disagreeing()
+    out["shared_pair"] = _shared_stateful_pair()
     return out
 
 
@@ -288,3 +298,11 @@ def test_ranks_with_different_sync_every_all_refuse(ranks: list[dict[str, Any]])
             "disagree"
         ]
         assert "sync_every differs: rank 0: 4; rank 1: 5" in rank["disagree"], rank["disagree"]
+
+
+@pytest.mark.timeout(200)
+def test_one_stateful_pair_for_several_fragments_is_refused(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        assert rank["shared_pair"].startswith(
+            "ValueError: gradcomm.DiLoCo: with fragments=2, each fragment needs a hook state of its own"
+        ), rank["shared_pair"]

@@ -22,8 +22,12 @@ pseudo-gradients: ``compressor="topk:ratio=0.02"`` (or any compression method of
 
 The outer exchange is the DDP hook machinery: each fragment's pseudo-gradients are flattened per dtype into
 :class:`~gradcomm.GradBucket` buffers and reduced by the averaging allreduce or by the ``compressor`` hook
-(a registry name with options, or a ``(state, hook)`` pair), with the DDPs' failure handling and telemetry
-(:meth:`DiLoCo.comm_stats`).
+(a registry name with options, a callable returning a ``(state, hook)`` pair, or such a pair), with the DDPs'
+failure handling and telemetry (:meth:`DiLoCo.comm_stats`: one "step" per fragment sync). Each fragment's
+exchange is one iteration of a hook state of its own, so stateful compressors get one state per fragment (a
+single stateful pair is refused with ``fragments > 1``). Exchanges that overlap in time (``fragments *
+overlap >= sync_every``) through a hook wait for each other, since a hook's later stages are ordered only
+among its own state's calls.
 
 Usage::
 

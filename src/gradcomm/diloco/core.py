@@ -80,6 +80,8 @@ class DiLoCo:
         process_group: ProcessGroup | None = None,
         check_replicas: bool = True,
     ) -> None:
+        if sync_every < 1:
+            raise ValueError(f"{_WHO}: sync_every must be at least 1, got {sync_every}")
         if not 0 <= overlap < sync_every:
             raise ValueError(
                 f"{_WHO}: overlap must be between 0 and sync_every - 1 = {sync_every - 1} (an exchange must end "

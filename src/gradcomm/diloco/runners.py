@@ -42,6 +42,17 @@ class FragmentRunners:
             runner = HookRunner(who, group)
             runner.stats = self.stats
             hook, state = compressor_hook(compressor, group)
+            if (
+                index > 0
+                and state is not None
+                and state is self.runners[0].state
+                and hasattr(state, "state_dict")
+            ):
+                raise ValueError(
+                    f"{who}: with fragments={fragments}, each fragment needs a hook state of its own (a state "
+                    "sees a fragment's exchange as a whole iteration), but compressor= is one (state, hook) pair "
+                    "with a stateful state; pass a callable returning a fresh (state, hook) pair, or a hook name"
+                )
             fragment_setup = {**setup, "fragment": repr(index)}
             if hook is not None:
                 runner.register(state, hook, None, fragment_setup)
