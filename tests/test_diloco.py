@@ -46,11 +46,15 @@ def _backward(model: torch.nn.Module, step: int) -> None:
     torch.nn.functional.mse_loss(model(inputs), targets).backward()
 
 
-def _same_on_every_rank(model: torch.nn.Module) -> bool:
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+def _same_on_every_rank(params: Any) -> bool:
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
     everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, flat)
     return all(torch.equal(other, flat) for other in everyone)
+
+
+def _equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
 
 
 class _Reference:
@@ -112,14 +116,9 @@ def _against_reference(fragments: int, overlap: int, mixing: float) -> dict[str,
         diloco.step()
         diloco.zero_grad()
         reference.step(t)
-        out["equal"].append(
-            all(
-                torch.equal(a, b)
-                for a, b in zip(model.parameters(), reference.model.parameters(), strict=True)
-            )
-        )
+        out["equal"].append(_equal(model, reference.model))
         out["synced"].append(diloco.synced_steps > before)
-        out["replicas_same"].append(_same_on_every_rank(model))
+        out["replicas_same"].append(_same_on_every_rank(model.parameters()))
         out["may_differ"].append(diloco.replicas_may_differ())
     return out
 
@@ -166,19 +165,10 @@ def _resume(fragments: int, overlap: int, compressor: str | None, via_checkpoint
         resumed.load_state_dict(loaded["diloco"])
     _train(resumed, second, 7, STEPS)
     return {
-        "equal": all(torch.equal(a, b) for a, b in zip(model.parameters(), second.parameters(), strict=True)),
+        "equal": _equal(model, second),
         "synced_steps": (straight.synced_steps, resumed.synced_steps),
-        "moved": not all(
-            torch.equal(a, b) for a, b in zip(model.parameters(), _model().parameters(), strict=True)
-        ),
+        "moved": not _equal(model, _model()),
     }
-
-
-def _same_fragment_on_every_rank(params: tuple[torch.nn.Parameter, ...]) -> bool:
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
-    everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, flat)
-    return all(torch.equal(other, flat) for other in everyone)
 
 
 def _overlapping_exchanges() -> list[bool]:
@@ -195,7 +185,7 @@ def _overlapping_exchanges() -> list[bool]:
         _train(diloco, model, t, t)
         for fragment in diloco.fragments:
             if t > overlap and fragment.syncs_at(t - overlap):
-                agreed.append(_same_fragment_on_every_rank(fragment.params))
+                agreed.append(_same_on_every_rank(fragment.params))
     return agreed
 
 
