@@ -2,9 +2,10 @@
 
 A failing compressor on one rank gives it CommHookError and the other rank PeerLostError (at the group's
 timeout); a killed rank gives the other PeerLostError at once. Either way the anchors still hold the last
-synced parameters, loadable into a fresh model, and the DiLoCo refuses further steps. Nested in a DDP over
-each node (4 ranks, LOCAL_WORLD_SIZE=2), the node's replicas agree at every step and all four right after
-each outer sync only.
+synced parameters, loadable into a fresh model, and the DiLoCo refuses further steps. Exchanges of several
+fragments overlapping in time through multi-stage hooks keep their collectives in the same order on every
+rank. Nested in a DDP over each node (4 ranks, LOCAL_WORLD_SIZE=2), the node's replicas agree at every step
+and all four right after each outer sync only.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from gradcomm.diloco import DiLoCo
 from gradcomm.hooks import default_hooks
 from gradcomm.testing import RankError, run_on_ranks
 from tests.helpers import error_text
-from tests.test_diloco import _backward, _inner, _model, _train
+from tests.test_diloco import _backward, _inner, _model, _same_on_every_rank, _train
 
 FAULT_TIMEOUT = 5
 
@@ -151,6 +152,30 @@ def overlapping_two_stage_exchanges() -> int:
 @pytest.mark.timeout(120)
 def test_a_hooks_late_second_stage_is_not_overtaken_by_the_next_fragment() -> None:
     assert run_on_ranks(overlapping_two_stage_exchanges, 2, timeout=90, collective_timeout=30) == [3, 3]
+
+
+def overlapping_compressed_exchanges() -> list[bool]:
+    """Fragments whose exchanges overlap in time (fragments * overlap > sync_every) through a compressor
+    (the built-in replica check off): whether each fragment agrees on every rank right after its syncs."""
+    model = _model()
+    overlap = 3
+    options = dict(
+        sync_every=4, fragments=2, overlap=overlap, compressor="bytegrad:min_numel=0", check_replicas=False
+    )
+    diloco = DiLoCo(model, _inner(model), **options)
+    agreed = []
+    for t in range(1, 14):
+        _train(diloco, model, t, t)
+        for fragment in diloco.fragments:
+            if t > overlap and fragment.syncs_at(t - overlap):
+                agreed.append(_same_on_every_rank(fragment.params))
+    return agreed
+
+
+@pytest.mark.timeout(120)
+def test_compressed_exchanges_overlapping_in_time_keep_every_fragment_identical() -> None:
+    for agreed in run_on_ranks(overlapping_compressed_exchanges, 3, timeout=90, collective_timeout=30):
+        assert len(agreed) >= 4 and all(agreed), agreed
 
 
 def nested_in_ddp(kind: str) -> dict[str, Any]:

@@ -164,6 +164,7 @@ class DiLoCo:
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The inner optimizer's ``zero_grad``."""
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
 
     def _settle(self) -> None:
@@ -222,12 +223,9 @@ class DiLoCo:
     # -- what the ranks hold -------------------------------------------------------------------------------
     def replicas_may_differ(self) -> bool:
         """Whether the replicas may differ now: always between syncs (local steps diverge on purpose); false
-        only right after every fragment synced at this inner step, without mixing."""
-        return (
-            self.mixing != 0.0
-            or any(at != self.inner_steps for at in self._synced_at)
-            or self.inner_steps == 0
-        )
+        at the start (the parameters were broadcast) and right after every fragment synced at this inner step,
+        without mixing."""
+        return self.mixing != 0.0 or any(at != self.inner_steps for at in self._synced_at)
 
     def synced_parameters(self) -> dict[str, torch.Tensor]:
         """The parameters as of each fragment's last outer sync (the anchors), by name, on this rank: the same
