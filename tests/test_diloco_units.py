@@ -1,4 +1,5 @@
-"""gradcomm.DiLoCo's pieces that need no process group: fragments, schedule, argument checks."""
+"""gradcomm.DiLoCo's pieces: fragments, schedule, argument checks (no process group), and refused loads
+(one rank)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import torch
 from gradcomm.diloco import DiLoCo
 from gradcomm.diloco.fragments import split_into_fragments
 from gradcomm.diloco.state import compressor_hook
+from gradcomm.testing import run_on_ranks
+from tests.helpers import error_text
 
 
 def _named(*sizes: int) -> list[tuple[str, torch.nn.Parameter]]:
@@ -64,3 +67,37 @@ def test_compressor_of_another_kind_is_refused() -> None:
     hook = object.__new__(type("H", (), {"__call__": lambda self, s, b: None}))
     assert compressor_hook(("state", hook), None) == (hook, "state")
     assert compressor_hook(lambda: ("made", hook), None) == (hook, "made")
+
+
+def refused_loads() -> list[str]:
+    model = _model_for_load()
+    saved = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=4).state_dict()
+    other = _model_for_load(width=3)
+    wrong = [
+        (model, {"sync_every": 5}, saved),
+        (other, {"sync_every": 4}, saved),
+        (model, {"sync_every": 4}, {**saved, "format": "elsewhere/9"}),
+        (model, {"sync_every": 4, "compressor": "topk:ratio=0.5"}, saved),
+    ]
+    texts = []
+    for module, options, state in wrong:
+        diloco = DiLoCo(module, torch.optim.SGD(module.parameters(), lr=0.1), **options)
+        texts.append(error_text(lambda diloco=diloco, state=state: diloco.load_state_dict(state)))
+    return texts
+
+
+def _model_for_load(width: int = 2) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(2, width)
+
+
+@pytest.mark.timeout(60)
+def test_a_state_of_another_setup_or_model_is_refused() -> None:
+    setup, model, format_, compressor = run_on_ranks(refused_loads, 1, timeout=45)[0]
+    prefix = "ValueError: gradcomm.DiLoCo.load_state_dict: "
+    assert setup.startswith(prefix + "it was saved with {'sync_every': 4,"), setup
+    assert model.startswith(prefix + "parameter 'weight' has shape (2, 2), here (3, 2)"), model
+    assert format_.startswith(prefix + "the state's format is 'elsewhere/9'"), format_
+    assert compressor.startswith(prefix + "fragment 0's compressor state was saved without a state"), (
+        compressor
+    )
