@@ -15,6 +15,7 @@ from gradcomm.ddp.checkpoint import CheckpointError, load_checkpoint, save_check
 from gradcomm.ddp.distributed import DistributedDataParallel, ParameterMismatchError
 from gradcomm.ddp.legacy import LegacyDistributedDataParallel
 from gradcomm.ddp.torch_compat import UnsupportedArgumentError, UnsupportedTorchMethodError
+from gradcomm.diloco import DiLoCo
 from gradcomm.errors import GradcommError
 from gradcomm.hooks.contract import CommHookError, CommHookResultError, CommHookTypeError
 from gradcomm.hooks.grad_bucket import GradBucket
@@ -24,6 +25,7 @@ __all__ = [
     "CommHookError",
     "CommHookResultError",
     "CommHookTypeError",
+    "DiLoCo",
     "DistributedDataParallel",
     "GradBucket",
     "GradcommError",

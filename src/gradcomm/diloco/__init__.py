@@ -1,0 +1,67 @@
+"""Low-communication training: DiLoCo, Streaming DiLoCo and SparseLoCo (:class:`DiLoCo`).
+
+**DiLoCo** (Douillard et al. 2023, arXiv 2311.08105). Every worker runs ``H`` (``sync_every``) steps of its
+own *inner* optimizer (AdamW in the paper) without communicating. Then the workers average their
+*pseudo-gradients* (the parameters at the last sync, the *anchor*, minus the parameters now) and one *outer*
+optimizer (SGD with Nesterov momentum 0.9, learning rate 0.7) updates the anchor, which every worker takes as
+its new parameters. Communication falls by a factor ``H`` against data-parallel training.
+
+**Streaming DiLoCo** (Douillard et al. 2025, arXiv 2501.18512). ``fragments=F`` splits the parameters into
+``F`` contiguous groups (registration order, balanced by element count); fragment ``f`` syncs at the inner
+steps ``t`` with ``(t + f * H // F) % H == 0``, so the peak bandwidth falls by ``F``. ``overlap=tau`` lets an
+exchange run behind the next ``tau`` inner steps: it is launched at the sync step and its outer update applied
+``tau`` steps later (the "eager"/overlapped variant; arXiv 2502.12996 studies the overlap). The synced
+fragment then becomes ``mixing * local + (1 - mixing) * global``: Streaming DiLoCo's mixing with
+``alpha = mixing``; the default 0 replaces the local values by the new global ones, so that the replicas are
+identical again right after the sync (with ``mixing > 0`` they never are, and the replica check is off).
+Streaming DiLoCo's 4-bit pseudo-gradients: ``compressor="quantize_per_tensor"`` or another quantizing hook.
+
+**SparseLoCo** (arXiv 2508.15706): top-k at 1-3% density with error feedback and 2-bit quantisation of the
+pseudo-gradients: ``compressor="topk:ratio=0.02"`` (or any compression method of
+:mod:`gradcomm.compression` with error feedback; its residuals live in the hook state, keyed by parameter).
+
+The outer exchange is the DDP hook machinery: each fragment's pseudo-gradients are flattened per dtype into
+:class:`~gradcomm.GradBucket` buffers and reduced by the averaging allreduce or by the ``compressor`` hook
+(a registry name with options, a callable returning a ``(state, hook)`` pair, or such a pair), with the DDPs'
+failure handling and telemetry (:meth:`DiLoCo.comm_stats`: one "step" per fragment sync). Each fragment's
+exchange is one iteration of a hook state of its own, so stateful compressors get one state per fragment (a
+single stateful pair is refused with ``fragments > 1``). Exchanges that overlap in time (``fragments *
+overlap >= sync_every``) through a hook wait for each other, since a hook's later stages are ordered only
+among its own state's calls.
+
+Usage::
+
+    model = MyModel()                                  # the same seed on every rank; DiLoCo broadcasts anyway
+    inner = torch.optim.AdamW(model.parameters(), lr=4e-4, weight_decay=0.1)
+    diloco = gradcomm.DiLoCo(model, inner, sync_every=100, fragments=1, overlap=0)
+    for inputs, targets in loader:                     # each rank its own shard
+        loss_fn(model(inputs), targets).backward()
+        diloco.step()                                  # inner step; every H steps (per fragment) the outer sync
+        diloco.zero_grad()
+    gradcomm.save_checkpoint(path, model, inner, diloco, step=diloco.inner_steps)
+    ...
+    gradcomm.load_checkpoint(path, model, inner, diloco)   # the resumed run equals the uninterrupted one
+
+Wrapped in a DDP (``gradcomm.DiLoCo(DistributedDataParallel(model, ...), inner)``), the DDP averages the
+gradients every step within its group (e.g. a node) and DiLoCo works across the groups: by default over the
+ranks of the same local rank on every node (torchrun's ``LOCAL_WORLD_SIZE``); pass ``process_group=``
+otherwise. ``anchor_device="cpu"`` keeps the anchors and the outer optimizer's state off the accelerator.
+
+Guarantees: constructing a DiLoCo is a collective that broadcasts the parameters from the group's first rank
+and compares the setup (``sync_every``, ``fragments``, ``overlap``, ``mixing``, the outer optimizer, the
+fragment layout, the compressor and its options) across the ranks, which all raise
+:class:`~gradcomm.RanksDisagreeError` if it differs. Right after every outer sync, the synced fragment is the
+same on every rank to the bit, checked with one small all-gather (``check_replicas=False`` turns it off);
+between syncs the replicas differ on purpose (:meth:`DiLoCo.replicas_may_differ`). A peer lost during an
+outer exchange raises :class:`~gradcomm.PeerLostError` (a failing compressor :class:`~gradcomm.CommHookError`)
+on every rank within the process group's timeout; the anchors (:meth:`DiLoCo.synced_parameters`, and
+:meth:`DiLoCo.state_dict`) still hold the last synced parameters, and the DiLoCo refuses further steps.
+:meth:`DiLoCo.state_dict` holds the counters (hence the fragment schedule), the anchors, the outer optimizer,
+the compressor's state and any exchange in flight, in tensors and plain values (``torch.load(...,
+weights_only=True)``), so a resumed run equals the uninterrupted one bit for bit. Buffers (batch-norm
+statistics) are not averaged.
+"""
+
+from gradcomm.diloco.core import DiLoCo
+
+__all__ = ["DiLoCo"]
