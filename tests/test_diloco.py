@@ -214,7 +214,7 @@ def scenarios() -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)], ids=lambda n: f"{n}ranks")
 def ranks(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
     return run_on_ranks(scenarios, request.param, timeout=150, collective_timeout=30)
 

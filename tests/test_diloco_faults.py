@@ -150,6 +150,7 @@ def overlapping_two_stage_exchanges() -> int:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_hooks_late_second_stage_is_not_overtaken_by_the_next_fragment() -> None:
     assert run_on_ranks(overlapping_two_stage_exchanges, 2, timeout=90, collective_timeout=30) == [3, 3]
 
@@ -173,6 +174,7 @@ def overlapping_compressed_exchanges() -> list[bool]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_compressed_exchanges_overlapping_in_time_keep_every_fragment_identical() -> None:
     for agreed in run_on_ranks(overlapping_compressed_exchanges, 3, timeout=90, collective_timeout=30):
         assert len(agreed) >= 4 and all(agreed), agreed
@@ -209,6 +211,7 @@ def nested_in_ddp(kind: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gradcomm", "torch"])
 def test_nested_in_a_ddp_works_across_nodes(kind: str) -> None:
     ranks = run_on_ranks(nested_in_ddp, 4, args=(kind,), timeout=150, collective_timeout=30)

@@ -351,7 +351,7 @@ def check_on_ranks(examples: int) -> dict[str, Any]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_hooks_agree_on_code_on_ranks(world_size: int) -> None:
     results = run_on_ranks(check_on_ranks, world_size, args=(EXAMPLES,), timeout=170)
     assert all(r["ran"] == results[0]["ran"] for r in results), "the ranks ran different recipes"
