@@ -101,3 +101,26 @@ def test_a_state_of_another_setup_or_model_is_refused() -> None:
     assert compressor.startswith(prefix + "fragment 0's compressor state was saved without a state"), (
         compressor
     )
+
+
+def plain_averaging_run() -> tuple[bool, bool]:
+    model = _model_for_load()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = DiLoCo(model, inner, sync_every=2, outer_lr=1.0, outer_momentum=0.0)
+    reference = _model_for_load()
+    reference_inner = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(2):
+        for net, optimizer in ((model, diloco), (reference, reference_inner)):
+            net(torch.ones(1, 2)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    same = all(torch.allclose(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    return same, diloco.outer_optimizer.param_groups[0]["nesterov"]
+
+
+@pytest.mark.timeout(60)
+def test_outer_momentum_zero_is_plain_sgd() -> None:
+    """``outer_momentum=0`` (plain averaging with ``outer_lr=1``) builds plain SGD: torch refuses Nesterov
+    without momentum, and one rank's sync then leaves the inner optimizer's parameters."""
+    same, nesterov = run_on_ranks(plain_averaging_run, 1, timeout=45)[0]
+    assert same and not nesterov

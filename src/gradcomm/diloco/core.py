@@ -116,7 +116,7 @@ class DiLoCo:
             self.outer_optimizer = outer_optimizer(everything)
         else:
             self.outer_optimizer = torch.optim.SGD(
-                everything, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov
+                everything, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0
             )
         self._exchanges: list[FragmentExchange] = []
         for fragment, anchors in zip(self.fragments, self.anchors, strict=True):
