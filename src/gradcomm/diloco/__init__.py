@@ -14,11 +14,13 @@ exchange run behind the next ``tau`` inner steps: it is launched at the sync ste
 fragment then becomes ``mixing * local + (1 - mixing) * global``: Streaming DiLoCo's mixing with
 ``alpha = mixing``; the default 0 replaces the local values by the new global ones, so that the replicas are
 identical again right after the sync (with ``mixing > 0`` they never are, and the replica check is off).
-Streaming DiLoCo's 4-bit pseudo-gradients: ``compressor="quantize_per_tensor"`` or another quantizing hook.
+Streaming DiLoCo's low-bit pseudo-gradients: a quantizing hook, ``compressor="qsgd"`` (4 bits: 7 levels and a
+sign) or ``"quantize_per_tensor"`` (8 bits).
 
 **SparseLoCo** (arXiv 2508.15706): top-k at 1-3% density with error feedback and 2-bit quantisation of the
-pseudo-gradients: ``compressor="topk:ratio=0.02"`` (or any compression method of
-:mod:`gradcomm.compression` with error feedback; its residuals live in the hook state, keyed by parameter).
+pseudo-gradients. Its top-k part with error feedback is ``compressor="topk:ratio=0.02"`` (or any compression
+method of :mod:`gradcomm.compression` with error feedback; its residuals live in the hook state, keyed by
+parameter); the 2-bit quantisation of the kept values is not a method of gradcomm yet.
 
 The outer exchange is the DDP hook machinery: each fragment's pseudo-gradients are flattened per dtype into
 :class:`~gradcomm.GradBucket` buffers and reduced by the averaging allreduce or by the ``compressor`` hook
