@@ -35,6 +35,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_h
 import gradcomm
 from gradcomm.ddp.agreement import describe_hook
 from gradcomm.hooks import default_hooks
+from gradcomm.hooks.contract import replicas_may_differ
+from gradcomm.hooks.debugging_hooks import noop_hook
+from gradcomm.hooks.post_localSGD_hook import post_localSGD_hook
 from gradcomm.testing import run_on_ranks
 from tests.helpers import error_text
 
@@ -359,3 +362,32 @@ def test_hooks_agree_on_code_on_ranks(world_size: int) -> None:
     assert any("other_leaf=None" in r for r in results[0]["ran"]) and any("other_leaf='" in r for r in results[0]["ran"])
     failures = [failure for r in results for failure in r["failures"]]
     assert not failures, "\n\n".join(failures)
+
+
+class _HookOwner:
+    """A ``unittest.TestCase``- or ``LightningModule``-like owner whose methods wrap a hook."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def wrapped_noop(self, state: Any, bucket: Any) -> Any:
+        return noop_hook(state, bucket)
+
+    def closure_over_post_local(self) -> Any:
+        def hook(state: Any, bucket: Any) -> Any:
+            return post_localSGD_hook(state, bucket)
+
+        return hook
+
+
+def test_wrapped_hooks_keep_their_replicas_may_differ_declaration() -> None:
+    """A hook that leaves replicas different keeps saying so when a method wraps it by calling it (the DDP's
+    replica check would otherwise raise ParameterDriftError on local SGD); allreduce wrapped alike does not."""
+    owner = _HookOwner(rank=1)
+
+    class Started:
+        iter, start_localSGD_iter = 5, 2
+
+    assert replicas_may_differ(owner.wrapped_noop, None)
+    assert replicas_may_differ(owner.closure_over_post_local(), Started())
+    assert not replicas_may_differ(lambda state, bucket: default_hooks.allreduce_hook(state, bucket), None)

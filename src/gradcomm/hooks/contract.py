@@ -238,17 +238,33 @@ def declares_replicas_may_differ(hook: CommHook) -> bool:
     return _declaration(hook) is not None
 
 
-def _declaration(hook: Any) -> Callable[[Any], bool] | None:
-    """The ``replicas_may_differ`` predicate of ``hook``, of torch's hook it is, or of a hook it wraps."""
+def _declaration(hook: Any, seen: set[int] | None = None) -> Callable[[Any], bool] | None:
+    """The ``replicas_may_differ`` predicate of ``hook``, of torch's hook it is, or of a hook it wraps: one it
+    holds (a partial's function, a closure cell) or calls by a global name (a method or function whose body
+    calls ``post_localSGD_hook(state, bucket)``)."""
+    seen = set() if seen is None else seen
     while isinstance(hook, functools.partial):
         hook = hook.func
+    if id(hook) in seen:
+        return None
+    seen.add(id(hook))
     declared = getattr(hook, "replicas_may_differ", None)
     if declared is None:
         declared = _torch_declarations().get(hook)
     if declared is None:
-        wrapped = (value for value in _closure_values(hook) if callable(value) and value is not hook)
-        declared = next((d for d in map(_declaration, wrapped) if d is not None), None)
+        function = getattr(hook, "__func__", hook)  # a bound method: the function it runs
+        wrapped = (value for value in _wrapped_callables(function) if value is not hook)
+        declared = next((d for d in (_declaration(value, seen) for value in wrapped) if d is not None), None)
     return declared
+
+
+def _wrapped_callables(function: Any) -> list[Any]:
+    """The callables ``function`` holds in its closure or names as globals in its code."""
+    values = [value for value in _closure_values(function) if callable(value)]
+    code, names = getattr(function, "__code__", None), getattr(function, "__globals__", None)
+    if code is not None and isinstance(names, dict):
+        values += [names[name] for name in code.co_names if callable(names.get(name))]
+    return values
 
 
 def _closure_values(function: Any) -> list[Any]:
