@@ -187,8 +187,12 @@ def _config(args: argparse.Namespace, world_size: int, device: str) -> BenchConf
         given.append(key.strip())
     try:
         unused = [key for key in given if not any(choice.takes(key, defaults[key]) for choice in hooks)]
+        model = None
         for choice in hooks:
-            choice.checked_options(defaults)
+            checked = choice.checked_options(defaults)
+            if choice.method is not None:
+                model = model if model is not None else WORKLOADS[args.workload]().build_model()
+                choice.method.check_model(checked, model)
     except (ValueError, TypeError, ImportError) as exc:
         raise BenchError(str(exc)) from None
     if unused:

@@ -27,6 +27,7 @@ from torch import nn
 
 from gradcomm import comm
 from gradcomm.bench.workloads import Workload
+from gradcomm.ddp.agreement import broadcast_coalesced
 from gradcomm.hooks.registry import apply_option_defaults, check_options, parse_hook_choice, resolve_hook_name
 
 __all__ = ["METHODS", "DiLoCoMethod", "MethodOption", "Trainer", "TrainingMethod", "method_named"]
@@ -125,6 +126,13 @@ class TrainingMethod:
             checked[name] = converted
         return checked
 
+    def check_model(self, options: Mapping[str, Any], model: nn.Module) -> None:
+        """Refuse ``options`` (checked) that the workload's ``model`` cannot train with, before ranks start.
+
+        Raises:
+            ValueError: says which option and why.
+        """
+
     def trainer(
         self, workload: Workload, model: nn.Module, options: Mapping[str, Any], lr: float, group: Any
     ) -> Trainer:
@@ -209,6 +217,14 @@ class DiLoCoMethod(TrainingMethod):
                 raise type(exc)(f"training method 'diloco': compressor {checked['compressor']!r}: {exc}") from None
         return checked
 
+    def check_model(self, options: Mapping[str, Any], model: nn.Module) -> None:
+        count = sum(1 for p in model.parameters() if p.requires_grad)
+        if options["fragments"] > count:
+            raise ValueError(
+                f"training method 'diloco': fragments={options['fragments']}, but the workload's model has only "
+                f"{count} trainable parameters; a fragment holds whole parameters, so use at most {count}"
+            )
+
     def trainer(
         self, workload: Workload, model: nn.Module, options: Mapping[str, Any], lr: float, group: Any
     ) -> Trainer:
@@ -266,7 +282,11 @@ class DiLoCoTrainer(Trainer):
 
     def finished_model(self) -> nn.Module:
         """A copy of the model holding the synchronised parameters (the anchors, after the exchanges in
-        flight are applied): the same on every rank, whatever the inner steps since the last sync did."""
+        flight are applied): the same on every rank, whatever the inner steps since the last sync did.
+
+        DiLoCo does not average buffers, so each replica's batch-norm statistics are its own; the copy takes
+        the first rank's, as the hooks' DDPs (which broadcast buffers from it every step) evaluate with. A
+        collective."""
         self.diloco.wait_pending()
         synced = self.diloco.synced_parameters()
         evaluated = copy.deepcopy(self.model)
@@ -274,6 +294,9 @@ class DiLoCoTrainer(Trainer):
             for name, param in evaluated.named_parameters():
                 if name in synced:
                     param.copy_(synced[name])
+        buffers = list(evaluated.buffers())
+        if buffers:
+            broadcast_coalesced(buffers, self.group if self.group is not None else dist.group.WORLD)
         return evaluated
 
 

@@ -153,6 +153,8 @@ class HookRun:
     label: str
     hook: str
     options: dict[str, Any]
+    """A hook's options as it ran them (given, and the bench's defaults); a method's every option, converted,
+    its defaults included (they are the method's, not the library's)."""
     rank: int
     world_size: int
     losses: list[float]
@@ -279,7 +281,9 @@ def run_hook(
     return HookRun(
         label=choice.label,
         hook=choice.name,
-        options=choice.with_defaults(config.option_defaults),
+        options=choice.checked_options(config.option_defaults) if choice.method else choice.with_defaults(
+            config.option_defaults
+        ),
         rank=rank,
         world_size=world_size,
         losses=(averaged / world_size).tolist(),
