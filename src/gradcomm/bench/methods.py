@@ -16,6 +16,7 @@ synchronised parameters (:meth:`gradcomm.DiLoCo.synced_parameters`), evaluated a
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -174,18 +175,25 @@ def _compressor(text: str) -> str:
     return name + (":" + ";".join(f"{k}={v}" for k, v in options.items()) if options else "")
 
 
+def _diloco_default(option: str) -> Any:
+    """The default of :class:`gradcomm.DiLoCo`'s argument ``option``: the bench runs the library's defaults."""
+    from gradcomm.diloco import DiLoCo
+
+    return inspect.signature(DiLoCo).parameters[option].default
+
+
 class DiLoCoMethod(TrainingMethod):
     """:class:`gradcomm.DiLoCo` over every rank, the plain model on each (no DDP), AdamW as inner optimizer."""
 
     name = "diloco"
     options = (
-        MethodOption("sync_every", int, 50, _at_least(1)),
-        MethodOption("fragments", int, 1, _at_least(1)),
-        MethodOption("overlap", int, 0, _at_least(0)),
-        MethodOption("outer_lr", float, 0.7, _finite_at_least_zero),
-        MethodOption("outer_momentum", float, 0.9, _finite_at_least_zero),
-        MethodOption("nesterov", _boolean, True, kind="on or off"),
-        MethodOption("mixing", float, 0.0, _mixing),
+        MethodOption("sync_every", int, _diloco_default("sync_every"), _at_least(1)),
+        MethodOption("fragments", int, _diloco_default("fragments"), _at_least(1)),
+        MethodOption("overlap", int, _diloco_default("overlap"), _at_least(0)),
+        MethodOption("outer_lr", float, _diloco_default("outer_lr"), _finite_at_least_zero),
+        MethodOption("outer_momentum", float, _diloco_default("outer_momentum"), _finite_at_least_zero),
+        MethodOption("nesterov", _boolean, _diloco_default("nesterov"), kind="on or off"),
+        MethodOption("mixing", float, _diloco_default("mixing"), _mixing),
         MethodOption("compressor", _compressor, "none", kind="none or a hook name such as qsgd or topk:ratio=0.02"),
     )
 
