@@ -31,7 +31,16 @@ from gradcomm.bench.workloads import Workload
 from gradcomm.ddp.agreement import broadcast_coalesced
 from gradcomm.hooks.registry import apply_option_defaults, check_options, parse_hook_choice, resolve_hook_name
 
-__all__ = ["METHODS", "DiLoCoMethod", "MethodOption", "Trainer", "TrainingMethod", "method_named"]
+__all__ = [
+    "METHODS",
+    "DiLoCoMethod",
+    "DiLoCoTrainer",
+    "MethodOption",
+    "Trainer",
+    "TrainingMethod",
+    "compressor_choice",
+    "method_named",
+]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}

@@ -12,7 +12,8 @@ For every choice, with the same seed and data:
 3. *Evaluation*: loss and metric of the trained model on held-out data.
 
 Steady-state figures (median step time, bytes per step) skip the first ``warmup`` steps, which include the
-bucket rebuild and, for PowerSGD, its allreduce warm-up iterations.
+bucket rebuild and, for PowerSGD, its allreduce warm-up iterations. A method that syncs every few steps
+(DiLoCo) is summarised by means instead (``HookRun.steady_statistic``, :func:`gradcomm.bench.report.summarize`).
 
 On emulated hosts (``gradcomm bench --nodes``) the rank that reads its host's link (``BenchConfig.host_link``,
 one per host) also records after every training step the bytes the link has sent and received since the
