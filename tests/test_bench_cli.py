@@ -366,6 +366,10 @@ def test_diloco_choices_parse_with_their_options_converted_and_the_bench_default
     # a bench default that reaches no compressor is refused as for hooks; one that does is used
     assert not HookChoice.parse("diloco").takes("ratio", "0.1")
     assert HookChoice.parse("diloco:compressor=topk").takes("ratio", "0.1")
+    # --hook-option reaches a method's own options too, never over the choice's
+    assert _resolved_hooks("--hooks", "diloco", "diloco:sync_every=4", "--hook-option", "sync_every=10") == {
+        "diloco(sync_every=10)": {"sync_every": "10"}, "diloco(sync_every=4)": {"sync_every": "4"},
+    }
 
 
 def test_a_method_that_syncs_every_few_steps_is_summarised_by_means() -> None:

@@ -104,8 +104,10 @@ class TrainingMethod:
         return tuple(option.name for option in self.options)
 
     def with_defaults(self, options: Mapping[str, str], defaults: Mapping[str, Any]) -> dict[str, str]:
-        """``options`` with the bench's hook defaults added where they reach (nowhere, unless overridden)."""
-        return dict(options)
+        """``options`` with each of the bench's ``defaults`` (``--hook-option``) that is an option of the
+        method and not given; options given in the choice win."""
+        names = self.option_names()
+        return {**options, **{k: str(v) for k, v in defaults.items() if k in names and k not in options}}
 
     def check(self, options: Mapping[str, Any]) -> dict[str, Any]:
         """``options`` (strings from the command line) converted and checked, the defaults filled in.
@@ -209,7 +211,7 @@ class DiLoCoMethod(TrainingMethod):
     def with_defaults(self, options: Mapping[str, str], defaults: Mapping[str, Any]) -> dict[str, str]:
         """The bench's hook defaults (``start_powerSGD_iter``, ``--hook-option``) reach the compressor, as they
         reach any hook that takes them."""
-        resolved = dict(options)
+        resolved = super().with_defaults(options, defaults)
         text = resolved.get("compressor", "")
         if _compressor(text) == "none":
             return resolved
