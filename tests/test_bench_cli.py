@@ -153,6 +153,49 @@ def test_bench_writes_table_json_csv_and_plot(tmp_path: Path) -> None:
     assert (width, height) == (1980, 495), (width, height)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_runs_diloco_beside_the_hooks(tmp_path: Path) -> None:
+    """DiLoCo's row: its outer exchanges' bytes from the telemetry, on its sync steps only, averaged over the
+    run; its final loss that of the synchronised parameters, the same on every rank even when the run ends
+    between syncs; its options in results.json."""
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [*GRADCOMM, "bench", "--workload", "cnn", "--steps", "12", "--warmup", "2", "--hooks", "allreduce",
+         "diloco:sync_every=4", "diloco:sync_every=5,outer_lr=1.0,outer_momentum=0", "--project", "100mbit",
+         "--output", str(out)],
+        capture_output=True, text=True, timeout=280,
+    )
+    assert done.returncode == 0, done.stderr
+    document = json.loads((out / "results.json").read_text())
+    summaries = {s["label"]: s for s in document["summaries"]}
+    every4, every5 = "diloco(sync_every=4)", "diloco(sync_every=5, outer_lr=1.0, outer_momentum=0)"
+    assert list(summaries) == ["allreduce", every4, every5]
+    assert every4 in done.stdout and every5 in done.stdout
+    dense = 283_978 * 4  # the CNN's float32 parameters: what allreduce hands over every step
+    for rank_runs in document["runs_by_rank"]:
+        allreduce, diloco4, diloco5 = rank_runs
+        assert allreduce["bytes_per_step"] == [dense] * 12
+        assert diloco4["bytes_per_step"] == [0, 0, 0, dense] * 3  # one averaging allreduce per sync
+        assert diloco5["bytes_per_step"] == [0, 0, 0, 0, dense] * 2 + [0, 0]
+        assert diloco4["dense_bytes_per_step"] == dense
+    assert summaries[every4]["mb_per_step"] == pytest.approx(summaries["allreduce"]["mb_per_step"] / 4)
+    assert summaries[every4]["handed_ratio"] == pytest.approx(4.0)
+    assert summaries[every4]["wire_ratio"] == pytest.approx(4.0)
+    assert summaries[every5]["mb_per_step"] == pytest.approx(2 * dense / 12 / 1e6)
+    assert summaries[every4]["projected_time_to_target_s"] is None or summaries[every4]["projected_time_to_target_s"] > 0
+    # ranks 0 and 1 took different inner steps after the last sync (steps 11 and 12): evaluated on their
+    # replicas they would differ; the synchronised parameters are the same on both
+    finals = [(ranks[2]["final_loss"], ranks[2]["final_metric"]) for ranks in document["runs_by_rank"]]
+    assert finals[0] == finals[1]
+    assert document["runs_by_rank"][0][2]["options"] == {
+        "sync_every": 5, "fragments": 1, "overlap": 0, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": True,
+        "mixing": 0.0, "compressor": "none",
+    }
+    assert document["runs_by_rank"][0][1]["steady_statistic"] == "mean"
+    assert document["config"]["hooks"] == ["allreduce", every4, every5]
+
+
 def _synthetic_run(label: str, hook: str, losses: list[float], wire: float = 1e6) -> dict[str, Any]:
     """A rank's run dict as :mod:`gradcomm.bench.runner` writes it: 0.5 s steps, 0.1 s compute."""
     steps = len(losses)
@@ -294,6 +337,64 @@ def test_bench_defaults_reach_inner_hooks_and_candidates_and_labels_show_them() 
     }
 
 
+def test_diloco_choices_parse_with_their_options_converted_and_the_bench_defaults_in_the_compressor() -> None:
+    """Registry-style names and options (the issue's command), checked before ranks start; the compressor's own
+    options are separated by ';' and get the bench's hook defaults, as any hook does."""
+    from gradcomm.bench.runner import HookChoice
+
+    hooks = _resolved_hooks(
+        "--hooks", "allreduce", "powersgd", "diloco", "diloco:sync_every=50,fragments=4,compressor=qsgd",
+        "DiLoCo:compressor=powersgd", "diloco:compressor=topk;min_numel=0", "--hook-option", "ratio=0.02",
+    )
+    assert hooks == {
+        "allreduce": {},
+        "powersgd(start_powerSGD_iter=10)": {"start_powerSGD_iter": "10"},
+        "diloco": {},
+        "diloco(sync_every=50, fragments=4, compressor=qsgd)": {
+            "sync_every": "50", "fragments": "4", "compressor": "qsgd",
+        },
+        "diloco(compressor=powersgd:start_powerSGD_iter=10)": {"compressor": "powersgd:start_powerSGD_iter=10"},
+        "diloco(compressor=topk:min_numel=0;ratio=0.02)": {"compressor": "topk:min_numel=0;ratio=0.02"},
+    }
+    choice = HookChoice.parse("diloco:sync_every=8,overlap=2,nesterov=off,compressor=topk:ratio=0.05;min_numel=0")
+    assert choice.method is not None and choice.name == "diloco"
+    assert choice.checked_options({}) == {
+        "sync_every": 8, "fragments": 1, "overlap": 2, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": False,
+        "mixing": 0.0, "compressor": "topk:ratio=0.05;min_numel=0",
+    }
+    assert HookChoice.parse("powersgd").method is None
+    # a bench default that reaches no compressor is refused as for hooks; one that does is used
+    assert not HookChoice.parse("diloco").takes("ratio", "0.1")
+    assert HookChoice.parse("diloco:compressor=topk").takes("ratio", "0.1")
+    # --hook-option reaches a method's own options too, never over the choice's
+    assert _resolved_hooks("--hooks", "diloco", "diloco:sync_every=4", "--hook-option", "sync_every=10") == {
+        "diloco(sync_every=10)": {"sync_every": "10"}, "diloco(sync_every=4)": {"sync_every": "4"},
+    }
+
+
+def test_a_method_that_syncs_every_few_steps_is_summarised_by_means() -> None:
+    """DiLoCo sends only on its sync steps: a median would report 0 bytes per step and the inner step's time."""
+    from gradcomm.bench.report import Target, choose_target, summarize
+
+    run = _synthetic_run("diloco(sync_every=4)", "diloco", [1.0] * 12)
+    run["bytes_per_step"] = [0, 0, 0, 4_000_000] * 3
+    run["wire_bytes_per_step"] = [0.0, 0.0, 0.0, 4e6] * 3
+    run["step_seconds"] = [0.1, 0.1, 0.1, 0.5] * 3
+    run["steady_statistic"] = "mean"
+    summary = summarize(run, warmup=2, target=Target(2.0, "given"))
+    assert summary.mb_per_step == pytest.approx(1.0)  # over every step: the sync schedule starts at step 1
+    assert summary.handed_ratio == pytest.approx(4.0)
+    assert summary.measured_ms == pytest.approx(1e3 * (0.1 * 7 + 0.5 * 3) / 10)  # from the warm-up on
+    assert summary.projected_ms["1gbit"] == pytest.approx(1e3 * (0.1 + 8 * 1e6 / 1e9))
+    assert summary.time_to_target_s == pytest.approx(0.1)
+    del run["steady_statistic"]
+    assert summarize(run, warmup=2).mb_per_step == 0.0  # what a median says
+    # a method is never the reference of the target loss, and its name is no unknown hook
+    reference = _synthetic_run("allreduce", "allreduce", [2.0] * 12)
+    assert choose_target([run, reference]).rule == "allreduce's final smoothed loss + 2%"
+    assert choose_target([run]).rule == "the best final smoothed loss (diloco(sync_every=4)'s) + 2%"
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -332,6 +433,31 @@ def test_bench_defaults_reach_inner_hooks_and_candidates_and_labels_show_them() 
         (["--project", "0mbit"], r"--project: invalid rate '0mbit': must be at least 1 bit/s"),
         (["--target-loss", "nan"], r"--target-loss must be a finite number, got nan$"),
         (["--target-loss=-inf"], r"--target-loss must be a finite number, got -inf$"),
+        (
+            ["--hooks", "allreduce", "diloco:sync_every=50,warp=9"],
+            r"training method 'diloco' got unknown option\(s\) 'warp'; valid options: sync_every, fragments, "
+            r"overlap, outer_lr, outer_momentum, nesterov, mixing, compressor$",
+        ),
+        (["--hooks", "diloco:sync_every=fifty"], r"'diloco': option 'sync_every' expects int, got 'fifty'$"),
+        (["--hooks", "diloco:sync_every=0"], r"'diloco': sync_every must be at least 1, got 0$"),
+        (["--hooks", "diloco:overlap=4,sync_every=4"], r"'diloco': overlap must be less than sync_every = 4"),
+        (["--hooks", "diloco:mixing=1"], r"'diloco': mixing must be in \[0, 1\), got 1$"),
+        (["--hooks", "diloco:outer_lr=nan"], r"'diloco': outer_lr must be a finite number >= 0, got nan$"),
+        (["--hooks", "diloco:nesterov=maybe"], r"'diloco': option 'nesterov' expects on or off, got 'maybe'$"),
+        (["--hooks", "diloco:compressor=warp"], r"'diloco': option 'compressor': unknown communication hook 'warp'"),
+        (
+            ["--hooks", "diloco:compressor=topk;ratio=2"],
+            r"'diloco': compressor 'topk:ratio=2': communication hook 'topk': TopK: ratio must be in \(0, 1\]",
+        ),
+        (["--hooks", "diloco:compressor=topk", "--hook-option", "ratio=3"], r"TopK: ratio must be in \(0, 1\]"),
+        (["--hooks", "diloco:compressor=topk:ratio"], r"hook option 'ratio' in 'topk:ratio' is not key=value"),
+        (
+            ["--workload", "cnn", "--hooks", "diloco:fragments=13"],
+            r"'diloco': fragments=13, but the workload's model has only 12 trainable parameters",
+        ),
+        (["--hooks", "warp_drive"], r"unknown communication hook 'warp_drive'.*; training methods: diloco$"),
+        (["--hooks", "diloco", "--hook-option", "warp=9"], r"of none of the chosen hooks \(diloco\).*they take: "
+         r"compressor, fragments, "),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

@@ -70,12 +70,16 @@ stderr and a non-zero exit."""
 
 EPILOG = """\
 A hook is NAME or NAME:key=value,key=value (powersgd:matrix_approximation_rank=4).
+So is the training method diloco; its compressor's own options are joined by ';'
+(diloco:compressor=topk:ratio=0.02;min_numel=0).
 
 examples:
   gradcomm bench
       transformer; allreduce, fp16, PowerSGD rank 1 and 4, signSGD
   gradcomm bench --workload cnn --steps 300 --hooks allreduce topk:ratio=0.01 qsgd
       the CNN, 300 steps, three hooks
+  gradcomm bench --hooks allreduce diloco:sync_every=50,fragments=4,compressor=qsgd
+      allreduce beside DiLoCo (outer sync every 50 steps, 4 fragments, 4-bit)
   gradcomm bench --bandwidth 100mbit --latency 1ms
       each rank behind a 100 Mbit/s link with 1 ms delay (root)
   gradcomm bench --project 100mbit --target-loss 2
@@ -98,6 +102,7 @@ class BenchError(GradcommError):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from gradcomm.bench.methods import METHODS
     from gradcomm.hooks.registry import hook_names
 
     parser.add_argument("--workload", default="transformer", help=f"one of: {', '.join(WORKLOADS)}")
@@ -106,7 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=list(DEFAULT_HOOKS),
         metavar="HOOK",
-        help=f"hooks to compare, each NAME or NAME:key=value,key=value. Names: {', '.join(hook_names())}",
+        help=f"hooks to compare, each NAME or NAME:key=value,key=value. Names: {', '.join(hook_names())}; "
+        f"training methods: {', '.join(METHODS)} (diloco:sync_every=50,compressor=qsgd)",
     )
     parser.add_argument("--steps", type=int, default=150, help="training steps per hook")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the steady-state figures")
@@ -187,8 +193,12 @@ def _config(args: argparse.Namespace, world_size: int, device: str) -> BenchConf
         given.append(key.strip())
     try:
         unused = [key for key in given if not any(choice.takes(key, defaults[key]) for choice in hooks)]
+        model = None
         for choice in hooks:
-            choice.checked_options(defaults)
+            checked = choice.checked_options(defaults)
+            if choice.method is not None:
+                model = model if model is not None else WORKLOADS[args.workload]().build_model()
+                choice.method.check_model(checked, model)
     except (ValueError, TypeError, ImportError) as exc:
         raise BenchError(str(exc)) from None
     if unused:

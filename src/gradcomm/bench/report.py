@@ -18,6 +18,10 @@ final smoothed loss among the hooks when allreduce is not run): see :func:`choos
 reaches it has ``None`` (``null`` in results.json, an empty cell in results.csv, "not reached" in the table).
 With a projection rate (``--project``, else a shaped link's rate), the same is computed with each step's
 time projected as ``compute + that step's wire bytes / rate``.
+
+A training method such as DiLoCo (:mod:`gradcomm.bench.methods`) sends only on its sync steps: its bytes per
+step and step time are means, not medians (:func:`summarize`), and its projections take each step's own bytes
+(0 between syncs). Its time to target follows the mean over ranks of the inner training losses, as for hooks.
 """
 
 from __future__ import annotations
@@ -116,12 +120,14 @@ def choose_target(runs: Sequence[dict[str, Any]], given: float | None = None, ma
         return Target(given, "given (--target-loss)")
     if not runs:
         raise ValueError("choose_target: no runs to take the target loss from")
+    from gradcomm.bench.methods import method_named
     from gradcomm.hooks.registry import resolve_hook_name
 
     allreduce = resolve_hook_name("allreduce")
     finals = {run["label"]: smoothed(run["losses"])[-1] for run in runs}
     finite = {label: loss for label, loss in finals.items() if math.isfinite(loss)}
-    reference = next((run["label"] for run in runs if resolve_hook_name(run["hook"]) is allreduce), None)
+    hooks = [run for run in runs if method_named(run["hook"]) is None]  # a method is no reference
+    reference = next((run["label"] for run in hooks if resolve_hook_name(run["hook"]) is allreduce), None)
     if reference in finite:
         source = f"{reference}'s final smoothed loss"
     elif finite:
@@ -184,15 +190,25 @@ def summarize(
     """Steady-state figures of one hook's run (steps from ``warmup`` on), and its times to ``target``
     (measured, and at ``projection``'s rate when given).
 
+    Bytes and step times are the median of the steady steps, or, for a run whose ``steady_statistic`` is
+    ``mean`` (a training method that syncs every few steps, such as DiLoCo, whose median step sends
+    nothing), the mean bytes over every step of the run (its sync schedule starts at step 1) and the mean
+    step time from ``warmup`` on.
+
     With ``host_link_bytes`` (per step, :func:`host_link_bytes_per_step`: emulated hosts) the floor and every
     projection move those bytes, what crossed between hosts, rather than the ranks' own wire bytes, which
     include their traffic inside a host.
     """
     steady = slice(min(warmup, len(run["step_seconds"]) - 1), None)
-    sent = statistics.median(run["bytes_per_step"][steady])
-    wire = statistics.median(run["wire_bytes_per_step"][steady]) if host_link_bytes is None else host_link_bytes
+    if run.get("steady_statistic", "median") == "mean":
+        sent = statistics.fmean(run["bytes_per_step"])
+        wire = statistics.fmean(run["wire_bytes_per_step"]) if host_link_bytes is None else host_link_bytes
+        measured = statistics.fmean(run["step_seconds"][steady])
+    else:
+        sent = statistics.median(run["bytes_per_step"][steady])
+        wire = statistics.median(run["wire_bytes_per_step"][steady]) if host_link_bytes is None else host_link_bytes
+        measured = statistics.median(run["step_seconds"][steady])
     compute = run["compute_seconds"]
-    measured = statistics.median(run["step_seconds"][steady])
 
     def projected(rate: float) -> float:
         return 1e3 * (compute + 8 * wire / rate)

@@ -1,6 +1,8 @@
 """What each rank does in ``gradcomm bench``: train the workload once per hook and measure it.
 
-For every hook, with the same seed and data:
+A choice of ``--hooks`` is a registry hook (gradcomm's DDP with that hook) or a training method of
+:mod:`gradcomm.bench.methods` (DiLoCo); both are built and stepped through a :class:`~gradcomm.bench.methods.Trainer`.
+For every choice, with the same seed and data:
 
 1. *Compute time*: a few steps of the same model and hook on a process group of this rank alone, so
    every cost but the network (forward, backward, optimizer, the hook's encoding and decoding) is counted.
@@ -10,7 +12,8 @@ For every hook, with the same seed and data:
 3. *Evaluation*: loss and metric of the trained model on held-out data.
 
 Steady-state figures (median step time, bytes per step) skip the first ``warmup`` steps, which include the
-bucket rebuild and, for PowerSGD, its allreduce warm-up iterations.
+bucket rebuild and, for PowerSGD, its allreduce warm-up iterations. A method that syncs every few steps
+(DiLoCo) is summarised by means instead (``HookRun.steady_statistic``, :func:`gradcomm.bench.report.summarize`).
 
 On emulated hosts (``gradcomm bench --nodes``) the rank that reads its host's link (``BenchConfig.host_link``,
 one per host) also records after every training step the bytes the link has sent and received since the
@@ -30,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradcomm.bench.methods import METHODS, Trainer, TrainingMethod, method_named
 from gradcomm.bench.workloads import WORKLOADS, Workload
 from gradcomm.comm.faults import derived_group_timeout
 from gradcomm.ddp.distributed import DistributedDataParallel
@@ -46,13 +50,16 @@ BENCH_OPTION_DEFAULTS = {"start_powerSGD_iter": 10}
 
 @dataclass(frozen=True)
 class HookChoice:
-    """A registry hook name with options, written ``name`` or ``name:key=value,key=value``."""
+    """A registry hook name or a training method (:data:`gradcomm.bench.methods.METHODS`) with options,
+    written ``name`` or ``name:key=value,key=value``."""
 
     name: str
     options: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def parse(cls, text: str) -> HookChoice:
+        """Raises ValueError for a malformed option, an unknown name (listing the valid ones) and, for a
+        method, an unknown option or a bad value (hooks' values are checked by :meth:`checked_options`)."""
         name, _, rest = text.strip().partition(":")
         options = []
         for item in filter(None, (part.strip() for part in rest.split(","))):
@@ -60,8 +67,20 @@ class HookChoice:
             if not sep or not key.strip():
                 raise ValueError(f"hook option {item!r} in {text!r} is not key=value")
             options.append((key.strip(), value.strip()))
-        resolve_hook_name(name)  # an unknown name fails here, listing the valid ones
+        method = method_named(name)
+        if method is not None:
+            method.check(dict(options))
+            return cls(method.name, tuple(options))
+        try:
+            resolve_hook_name(name)
+        except ValueError as exc:
+            raise ValueError(f"{exc}; training methods: {', '.join(METHODS)}") from None
         return cls(name.strip(), tuple(options))
+
+    @property
+    def method(self) -> TrainingMethod | None:
+        """The training method this choice names, or None for a registry hook."""
+        return method_named(self.name)
 
     @property
     def label(self) -> str:
@@ -73,7 +92,10 @@ class HookChoice:
     def with_defaults(self, defaults: dict[str, Any]) -> dict[str, Any]:
         """This choice's options with the bench ``defaults`` added wherever a hook of the choice takes them and
         the choice does not set them: the hook, ``hierarchical``'s inner hook, ``auto``'s candidates
-        (:func:`gradcomm.hooks.registry.apply_option_defaults`)."""
+        (:func:`gradcomm.hooks.registry.apply_option_defaults`); for a method, its hook options (DiLoCo's
+        compressor)."""
+        if self.method is not None:
+            return self.method.with_defaults(dict(self.options), defaults)
         return apply_option_defaults(self.name, dict(self.options), defaults)
 
     def resolved(self, defaults: dict[str, Any]) -> HookChoice:
@@ -83,7 +105,7 @@ class HookChoice:
     def takes(self, key: str, value: Any) -> bool:
         """Whether a bench default ``key=value`` would reach a hook of this choice that does not set it."""
         options = {k: v for k, v in self.options if k != key}
-        return apply_option_defaults(self.name, options, {key: value}) != options
+        return HookChoice(self.name, tuple(options.items())).with_defaults({key: value}) != options
 
     def checked_options(self, defaults: dict[str, Any]) -> dict[str, Any]:
         """:meth:`with_defaults`, converted and checked as the ranks' ``make_comm_hook`` will.
@@ -91,11 +113,16 @@ class HookChoice:
         Raises:
             ValueError, TypeError, ImportError: as :func:`gradcomm.hooks.registry.check_options`.
         """
+        if self.method is not None:
+            return self.method.check(self.with_defaults(defaults))
         return check_options(self.name, **self.with_defaults(defaults))
 
 
 def hook_options(name: str) -> tuple[str, ...]:
-    """The options the hook called ``name`` accepts, less those its registry entry fixes (presets)."""
+    """The options the hook or method called ``name`` accepts, less those a hook's registry entry fixes."""
+    method = method_named(name)
+    if method is not None:
+        return method.option_names()
     spec = resolve_hook_name(name).value
     fixed = dict(spec.presets)
     return tuple(option for option in spec.option_names if option not in fixed)
@@ -127,6 +154,8 @@ class HookRun:
     label: str
     hook: str
     options: dict[str, Any]
+    """A hook's options as it ran them (given, and the bench's defaults); a method's every option, converted,
+    its defaults included (they are the method's, not the library's)."""
     rank: int
     world_size: int
     losses: list[float]
@@ -140,6 +169,9 @@ class HookRun:
     final_metric: float
     metric_name: str
     host_link_bytes: list[tuple[int, int]] | None = None  # (sent, received) since training began, per step
+    steady_statistic: str = "median"
+    """How the report summarises bytes and step times (:func:`gradcomm.bench.report.summarize`): ``median``
+    of the steady steps, or ``mean`` (a method whose syncs are periodic: bytes over every step)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -161,18 +193,47 @@ def _wrapped(workload: Workload, model: nn.Module, choice: HookChoice, config: B
     return ddp
 
 
+class HookTrainer(Trainer):
+    """gradcomm's DDP with the choice's hook and AdamW; bytes from the DDP's telemetry of each step."""
+
+    def __init__(self, workload: Workload, model: nn.Module, choice: HookChoice, config: BenchConfig, group: Any):
+        self.workload = workload
+        self.ddp = _wrapped(workload, model, choice, config, group)
+        self.optimizer = torch.optim.AdamW(self.ddp.parameters(), lr=config.lr)
+        self.stats = self.ddp.comm_stats()
+
+    def step(self, batch: Any) -> torch.Tensor:
+        return _train_step(self.ddp, self.optimizer, self.workload, batch)
+
+    def step_bytes(self) -> tuple[int, float]:
+        return self.stats.last.bytes_sent, self.stats.last.wire_bytes
+
+    def dense_bytes(self) -> tuple[int, float]:
+        return self.stats.last.dense_bytes, self.stats.last.dense_wire_bytes
+
+    def finished_model(self) -> nn.Module:
+        return self.ddp.module
+
+
+def _trainer(workload: Workload, model: nn.Module, choice: HookChoice, config: BenchConfig, group: Any) -> Trainer:
+    """The choice's trainer of ``model`` on ``group`` (``None``: every rank): its method's, or a hooked DDP."""
+    if choice.method is not None:
+        return choice.method.trainer(workload, model, choice.with_defaults(config.option_defaults), config.lr, group)
+    return HookTrainer(workload, model, choice, config, group)
+
+
 def _compute_seconds(
     workload: Workload, model: nn.Module, choice: HookChoice, config: BenchConfig, solo_group: Any
 ) -> float:
-    """Median step time of the same model and hook on a group of this rank alone: all but the network."""
-    ddp = _wrapped(workload, copy.deepcopy(model), choice, config, solo_group)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=config.lr)
+    """Median step time of the same model and hook (or method) on a group of this rank alone: all but the
+    network."""
+    trainer = _trainer(workload, copy.deepcopy(model), choice, config, solo_group)
     rank = dist.get_rank()
     times = []
     for step in range(config.warmup + config.calibration_steps):
         batch = workload.batch(rank, step)
         start = time.perf_counter()
-        _train_step(ddp, optimizer, workload, batch)
+        trainer.step(batch)
         _synchronize(config.device)
         if step >= config.warmup:
             times.append(time.perf_counter() - start)
@@ -193,9 +254,7 @@ def run_hook(
     logger.info("%s: measuring the compute time on this rank alone", choice.label)
     compute = _compute_seconds(workload, model, choice, config, solo_group)
     logger.info("%s: training %d steps on %d ranks", choice.label, config.steps, world_size)
-    ddp = _wrapped(workload, model, choice, config, None)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=config.lr)
-    stats = ddp.comm_stats()
+    trainer = _trainer(workload, model, choice, config, None)
     losses, seconds, sent, wire = [], [], [], []
     link: list[tuple[int, int]] | None = None
     if config.host_link is not None:
@@ -203,12 +262,13 @@ def run_hook(
     for step in range(config.steps):
         batch = workload.batch(rank, step)
         start = time.perf_counter()
-        loss = _train_step(ddp, optimizer, workload, batch)
+        loss = trainer.step(batch)
         _synchronize(config.device)
         seconds.append(time.perf_counter() - start)
         losses.append(loss.item())
-        sent.append(stats.last.bytes_sent)
-        wire.append(stats.last.wire_bytes)
+        step_sent, step_wire = trainer.step_bytes()
+        sent.append(step_sent)
+        wire.append(step_wire)
         if link is not None:
             tx, rx = link_byte_counters(config.host_link)
             link.append((tx - link_start[0], rx - link_start[1]))
@@ -216,25 +276,29 @@ def run_hook(
             progress(choice.label, step + 1)
     averaged = torch.tensor(losses, dtype=torch.float64, device=config.device)
     dist.all_reduce(averaged)
-    final_loss, final_metric = workload.evaluate(ddp.module)
+    final_loss, final_metric = workload.evaluate(trainer.finished_model())
     logger.info("%s: done; final loss %.4f, %s %.4f", choice.label, final_loss, workload.metric_name, final_metric)
+    dense, dense_wire = trainer.dense_bytes()
     return HookRun(
         label=choice.label,
         hook=choice.name,
-        options=choice.with_defaults(config.option_defaults),
+        options=choice.checked_options(config.option_defaults) if choice.method else choice.with_defaults(
+            config.option_defaults
+        ),
         rank=rank,
         world_size=world_size,
         losses=(averaged / world_size).tolist(),
         step_seconds=seconds,
         bytes_per_step=sent,
         wire_bytes_per_step=wire,
-        dense_bytes_per_step=stats.last.dense_bytes,
-        dense_wire_bytes_per_step=stats.last.dense_wire_bytes,
+        dense_bytes_per_step=dense,
+        dense_wire_bytes_per_step=dense_wire,
         compute_seconds=compute,
         final_loss=final_loss,
         final_metric=final_metric,
         metric_name=workload.metric_name,
         host_link_bytes=link,
+        steady_statistic=trainer.steady_statistic,
     )
 
 
