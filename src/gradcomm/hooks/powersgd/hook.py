@@ -216,7 +216,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
         kernel.gather(source, plan.uncompressed, uncompressed)
     kernel.prepare_qs(qs, q_memory, fresh, state.rng, state.orthogonalization_epsilon)
     for m, q, p in zip(matrices, qs, ps, strict=True):
-        torch.bmm(m, q, out=p)
+        kernel.bmm(m, kernel.staged(q), p)
 
     pending: list[torch.futures.Future[torch.Tensor]] = []
     if uncompressed is not None and not coalesced:
@@ -229,7 +229,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
             for p in ps:
                 kernel.orthogonalize(p, state.orthogonalization_epsilon)
             for m, p, q in zip(matrices, ps, qs, strict=True):
-                torch.bmm(m.transpose(1, 2), p, out=q)
+                kernel.bmm(m.transpose(1, 2), kernel.staged(p), q)
 
         pending.append(_sum_p_then_q(state, p_memory, q_memory, compute_qs))
 
