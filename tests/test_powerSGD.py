@@ -26,6 +26,7 @@ so ours is compared with it after :func:`_patch_torch_orthogonalize` lets it thr
 import copy
 import inspect
 import io
+import logging
 import math
 import pickle
 import traceback
@@ -902,6 +903,20 @@ def test_state_is_picklable_and_load_rejects_foreign_dicts() -> None:
     state = pickle.loads(pickle.dumps(_used_state()))
     with pytest.raises(ValueError, match=r"not a PowerSGDState state dict; missing keys \['parameter_shapes'"):
         state.load_state_dict({k: v for k, v in _used_state().state_dict().items() if k != "parameter_shapes"})
+
+
+def test_unpickled_state_notes_the_default_group_in_torchs_words(caplog: pytest.LogCaptureFixture) -> None:
+    """As torch's PowerSGDState (test_ddp_hook_pickling_powerSGD checks its note, word for word): an unpickled
+    state is on the default group, and the log says so once."""
+    pickled = pickle.dumps(_used_state())
+    with caplog.at_level(logging.WARNING, logger="gradcomm.hooks.powerSGD_hook"):
+        state = pickle.loads(pickled)
+    notes = [r.getMessage() for r in caplog.records if r.name == "gradcomm.hooks.powerSGD_hook"]
+    assert notes == [
+        "NOTE: Process group will be set to a default group (i.e. the world size).\
+                If a different group is desired, please set `self.process_group` after PowerSGD state is loaded."
+    ]
+    assert state.process_group is None
 
 
 @pytest.mark.parametrize("rank", [1, 2, 4])

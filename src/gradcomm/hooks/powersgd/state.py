@@ -45,6 +45,14 @@ _COUNTERS = ("iter", "total_numel_before_compression", "total_numel_after_compre
 _BUFFERS = ("error_dict", "q_memory_dict", "parameter_shapes")
 _BUCKET_BUFFERS = ("bucket_q_memory_dict", "bucket_padding_error_dict")
 
+# torch's PowerSGDState.__setstate__ logs this, word for word (the spaces are its string's continued line), and
+# torch's test_ddp_hook_pickling_powerSGD expects it
+DEFAULT_GROUP_NOTE = (
+    "NOTE: Process group will be set to a default group (i.e. the world size)."
+    + " " * 16
+    + "If a different group is desired, please set `self.process_group` after PowerSGD state is loaded."
+)
+
 
 class PowerSGDState(HookState):
     r"""Hyperparameters and per-bucket state of :func:`powerSGD_hook` and :func:`batched_powerSGD_hook`.
@@ -195,6 +203,7 @@ class PowerSGDState(HookState):
         if "bucket_layouts" in state:
             raise ValueError(_older_gradcomm("a pickled PowerSGDState"))
         self._launcher = OrderedLauncher()
+        logger.warning(DEFAULT_GROUP_NOTE)
         super().__setstate__(state)
         self._reset_runtime(check=True)
 
