@@ -220,14 +220,14 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
 
     pending: list[torch.futures.Future[torch.Tensor]] = []
     if uncompressed is not None and not coalesced:
-        pending.append(
-            state._launcher.launch(lambda: comm.all_reduce(uncompressed, state.process_group), buffer.device)
-        )
+        group = state.process_group
+        pending.append(state._launcher.launch(lambda: comm.all_reduce(uncompressed, group), buffer.device))
     if plan.batches:
+        epsilon = state.orthogonalization_epsilon  # the closures below must not hold the state (see comm.launcher)
 
         def compute_qs() -> None:
             for p in ps:
-                kernel.orthogonalize(p, state.orthogonalization_epsilon)
+                kernel.orthogonalize(p, epsilon)
             for m, p, q in zip(matrices, ps, qs, strict=True):
                 kernel.bmm(m.transpose(1, 2), kernel.staged(p), q)
 
@@ -332,8 +332,10 @@ def batched_powerSGD_hook(
     kernel.prepare_qs([q.unsqueeze(0)], q_memory, fresh, state.rng, state.orthogonalization_epsilon)
     p = torch.matmul(matrix, q)
 
+    epsilon = state.orthogonalization_epsilon  # the closures below must not hold the state (see comm.launcher)
+
     def compute_q() -> None:
-        kernel.orthogonalize(p.unsqueeze(0), state.orthogonalization_epsilon)
+        kernel.orthogonalize(p.unsqueeze(0), epsilon)
         torch.matmul(matrix.t(), p, out=q)
 
     q_summed = _sum_p_then_q(state, p, q_memory, compute_q)
