@@ -135,11 +135,6 @@ class Reducer(ReducerSurface):
         )
         self._reset_iteration()
         self_ref = weakref.ref(self)
-        # the per-gradient step of each parameter: dense into its bucket view, or sparse into a bucket of its own
-        self._markers = [
-            self._mark_sparse_ready if self._sparse and self._sparse[index] else self._mark_ready
-            for index in range(len(self._params))
-        ]
         self._grad_hook_handles, self._accumulators = [], []  # the nodes are kept: see after_accumulation
         for index, param in enumerate(self._params):
             handle, accumulator = after_accumulation(param, GradReadyHook(self_ref, index))
@@ -190,12 +185,12 @@ class Reducer(ReducerSurface):
             if not self._static.recorded:
                 # torch's first static iteration: count each parameter's gradients, reduce everything at the end
                 self._first_counts = [0] * len(self._params)
-                self._counting = self._count_first
+                self._counting = "first"
                 self._end_of_backward_at(outputs)
             else:
                 self._unused = self._static.locally_unused
                 self._countdown = list(self._static.hook_counts)
-                self._counting = self._count_down
+                self._counting = "down"
         elif self._find_unused:
             if outputs is None:
                 self._unused_at_end = True
@@ -313,7 +308,9 @@ class Reducer(ReducerSurface):
         self._finalize_queued = False
         self._end_queued = False
         self._end_at_first_grad = False
-        self._counting: Any = None  # static graph: decides per gradient whether the parameter is ready yet
+        # static graph: how a gradient is counted before its parameter is ready ("first": _count_first, "down":
+        # _count_down); a name, not a bound method, so that the reducer holds no reference to itself
+        self._counting: str | None = None
         self._unused: list[int] = []
         self._unused_at_end = False
         self._locally_used = self._used_map if self._static.reduces_used_map(self._find_unused) else None
@@ -328,12 +325,21 @@ class Reducer(ReducerSurface):
             if self._end_at_first_grad:
                 self._queue_end_of_backward()
             for unused in self._unused:
-                self._markers[unused](unused)
+                self._mark(unused)
         if self._locally_used is not None:
             self._locally_used[index] = 1
-        if self._counting is not None and self._counting(index):
+        if self._counting == "first" and self._count_first(index):
             return
-        self._markers[index](index)
+        if self._counting == "down" and self._count_down(index):
+            return
+        self._mark(index)
+
+    def _mark(self, index: int) -> None:
+        """The per-gradient step of a parameter: dense into its bucket view, or sparse into a bucket of its own."""
+        if self._sparse and self._sparse[index]:
+            self._mark_sparse_ready(index)
+        else:
+            self._mark_ready(index)
 
     def _mark_ready(self, index: int) -> None:
         if self._ready[index]:
@@ -447,17 +453,17 @@ class Reducer(ReducerSurface):
             return
         queued, self._finalize_queued = self._finalize_queued, True  # finalize here or in the one queued
         try:
-            if self._counting == self._count_first:
+            if self._counting == "first":
                 self._counting = None
                 self._static.hook_counts = list(self._first_counts)
                 order, self._ready_order = self._ready_order, []
                 seen = set(order)
                 for index in [*order, *(i for i in range(len(self._params)) if i not in seen)]:
-                    self._markers[index](index)
+                    self._mark(index)
             elif self._unused_at_end:
                 index = self._ready.find(0)
                 while index != -1:
-                    self._markers[index](index)
+                    self._mark(index)
                     index = self._ready.find(0, index + 1)
         except BaseException as exc:
             self._fail(exc)
