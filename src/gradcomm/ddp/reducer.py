@@ -153,6 +153,8 @@ class Reducer(ReducerSurface):
         if self._unfinished:
             names, self._unfinished = self._unfinished, []
             raise unfinished_reduction_error(names, self._static.enabled)
+        if self._synced_backwards == 0 and not self._has_rebuilt:
+            self._adopt_hook_state_layout()
         if not self._runner.setup_checked:
             self._runner.check_same_setup(self._setup())
         if self._rebuild_order is not None:
@@ -269,6 +271,37 @@ class Reducer(ReducerSurface):
         if self._as_view is None:
             return all(self._params[i].is_contiguous() for i in indices)
         return self._as_view
+
+    def _adopt_hook_state_layout(self) -> None:
+        """Before the first iteration: reduce in the buckets the hook state was made in (its ``bucket_layout``:
+        each bucket's parameter names), where this DDP's own rebuild would have made them from that order.
+
+        A state resumed through ``torch.save`` then reduces in its buckets from the first step, as after
+        :meth:`load_bucket_layout`; otherwise the first iteration would run in the initial layout, in which
+        per-bucket state (batched PowerSGD's ``Q``) does not fit and sums round differently from three ranks
+        on. A layout of other parameters, or one this DDP would bucket differently (another
+        ``bucket_cap_mb``), is left alone: the state is keyed by parameter and resumes in any layout.
+        """
+        layout = getattr(self._runner.state, "bucket_layout", None)
+        if not layout or self._rebuild_done:  # no rebuild to anticipate (find_unused_parameters: the initial)
+            return
+        index = {name: i for i, name in enumerate(self._names)}
+        if not all(isinstance(key, str) and key in index for keys in layout for key in keys):
+            return
+        groups = [[index[key] for key in keys] for keys in layout]
+        order = [i for group in groups for i in group]
+        if sorted(order) != list(range(len(self._params))):
+            return
+        rebuilt = assign_buckets(
+            self._params, order, self._first_limit, self._limit, limits=self._bucket_caps, alone=self._sparse
+        )
+        if rebuilt != groups:
+            logger.debug("the hook state's bucket layout is not what this DDP would build; keeping its own")
+            return
+        self._rebuild_in_order(order, broadcast=False)
+        self._rebuild_done, self._rebuild_order, self._ready_order = True, None, []
+        self._runner.setup_checked = False  # the ranks compare the adopted buckets before the first step
+        logger.debug("adopted the hook state's %d buckets", len(groups))
 
     def _rebuild_in_order(self, ready_order: list[int], broadcast: bool = True, source_rank: int = 0) -> None:
         order = torch.tensor(ready_order, dtype=torch.int64, device=collective_device(self._group))

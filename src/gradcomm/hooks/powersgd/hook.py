@@ -181,7 +181,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
         >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
         >>> ddp_model.register_comm_hook(state, powerSGD_hook)
     """
-    keys = state._keys.of(bucket)  # from the first iteration on: the order of first appearance is the key
+    keys = state.note_bucket(bucket)  # from the first iteration on: the order of first appearance is the key
     if state.iter < state.start_powerSGD_iter:
         return _allreduce_mean(state, bucket)
 
@@ -310,7 +310,7 @@ def batched_powerSGD_hook(
         >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
         >>> ddp_model.register_comm_hook(state, batched_powerSGD_hook)
     """
-    keys = state._keys.of(bucket)
+    keys = state.note_bucket(bucket)
     if state.iter < state.start_powerSGD_iter:
         return _allreduce_mean(state, bucket)
 
