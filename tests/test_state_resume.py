@@ -201,30 +201,34 @@ def test_gradcomm_checkpoint_resumes_bit_for_bit_and_loads_on_torch_ddp(
 # layout: BLAS's rank-1 products round with the alignment, so before the kernel aligned its operands every
 # parameter ended 1-2 ulp off.
 ODD_STEPS, ODD_STOP = 12, 6
-ODD_CASES = [(kind, cap) for kind in ("torch", "gradcomm") for cap in (None, 0.001)]
+# (DDP kind, bucket_cap_mb, gradient_as_bucket_view); None: the DDP's default
+ODD_CASES = [(kind, cap, view) for kind in ("torch", "gradcomm") for cap, view in ((None, None), (0.001, None), (0.001, True))]
 
 
-def _odd_setup(kind: str, cap: float | None) -> tuple[nn.Module, Any, torch.optim.Optimizer, PowerSGDState]:
+def _odd_setup(
+    kind: str, cap: float | None, view: bool | None
+) -> tuple[nn.Module, Any, torch.optim.Optimizer, PowerSGDState]:
     torch.manual_seed(0)
     model = HeadFirst(16, 37, 21, 4).to(TEST_DEVICE)
-    ddp = make_ddp(kind, model, **({} if cap is None else {"bucket_cap_mb": cap}))
+    options = {"bucket_cap_mb": cap, "gradient_as_bucket_view": view}
+    ddp = make_ddp(kind, model, **{name: value for name, value in options.items() if value is not None})
     state = PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
     return model, ddp, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), state
 
 
-def _odd_resumed(kind: str, cap: float | None, directory: str, how: str) -> dict[str, Any]:
+def _odd_resumed(kind: str, cap: float | None, view: bool | None, directory: str, how: str) -> dict[str, Any]:
     """The second half, in a fresh DDP, from a torch.save of the model, the optimizer and the state (pickled
     whole, or its state_dict)."""
-    model, ddp, optimizer, state = _odd_setup(kind, cap)
+    model, ddp, optimizer, state = _odd_setup(kind, cap, view)
     ddp.register_comm_hook(state, powerSGD_hook)
     _steps(ddp, optimizer, range(ODD_STOP), model)
-    path = os.path.join(directory, f"odd-{kind}-{cap}-{how}-rank{dist.get_rank()}.pt")
+    path = os.path.join(directory, f"odd-{kind}-{cap}-{view}-{how}-rank{dist.get_rank()}.pt")
     saved_state = state if how == "pickle" else state.state_dict()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": saved_state}, path)
     del model, ddp, optimizer, state
 
     checkpoint = torch.load(path, weights_only=how != "pickle", map_location="cpu")
-    model, ddp, optimizer, state = _odd_setup(kind, cap)
+    model, ddp, optimizer, state = _odd_setup(kind, cap, view)
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     if how == "pickle":
@@ -238,12 +242,12 @@ def _odd_resumed(kind: str, cap: float | None, directory: str, how: str) -> dict
 def odd_main(directory: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
-    for kind, cap in ODD_CASES:
-        model, ddp, optimizer, state = _odd_setup(kind, cap)
+    for kind, cap, view in ODD_CASES:
+        model, ddp, optimizer, state = _odd_setup(kind, cap, view)
         ddp.register_comm_hook(state, powerSGD_hook)
-        results[f"{kind}-{cap}"] = {
+        results[f"{kind}-{cap}-{view}"] = {
             "full": _steps(ddp, optimizer, range(ODD_STEPS), model),
-            **{how: _odd_resumed(kind, cap, directory, how) for how in ("pickle", "state_dict")},
+            **{how: _odd_resumed(kind, cap, view, directory, how) for how in ("pickle", "state_dict")},
         }
     return results
 
@@ -255,12 +259,12 @@ def odd_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("how", ["pickle", "state_dict"])
-@pytest.mark.parametrize(("kind", "cap"), ODD_CASES)
+@pytest.mark.parametrize(("kind", "cap", "view"), ODD_CASES)
 def test_torch_save_resume_is_bit_for_bit_with_unaligned_matrices(
-    odd_runs: list[dict[str, Any]], kind: str, cap: float | None, how: str
+    odd_runs: list[dict[str, Any]], kind: str, cap: float | None, view: bool | None, how: str
 ) -> None:
     for rank in range(2):
-        result = odd_runs[rank][f"{kind}-{cap}"]
+        result = odd_runs[rank][f"{kind}-{cap}-{view}"]
         full, resumed = {name: values[ODD_STOP:] for name, values in result["full"].items()}, result[how]
         worst = max(float(np.abs(a - b).max()) for a, b in zip(full["params"], resumed["params"], strict=True))
         assert _same(resumed, full), f"rank {rank}: the resumed run differs from the uninterrupted one by {worst:.3g}"
