@@ -26,6 +26,7 @@ so ours is compared with it after :func:`_patch_torch_orthogonalize` lets it thr
 import copy
 import inspect
 import io
+import logging
 import math
 import pickle
 import traceback
@@ -42,6 +43,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 
 from gradcomm import comm
 from gradcomm.hooks.parameter_keys import name_parameters
+from gradcomm.hooks.powersgd import kernel
 from gradcomm.hooks.powersgd.kernel import orthogonalize
 from gradcomm.hooks.powerSGD_hook import (
     PowerSGDState,
@@ -911,6 +913,20 @@ def test_state_is_picklable_and_load_rejects_foreign_dicts() -> None:
         state.load_state_dict({k: v for k, v in _used_state().state_dict().items() if k != "parameter_shapes"})
 
 
+def test_unpickled_state_notes_the_default_group_in_torchs_words(caplog: pytest.LogCaptureFixture) -> None:
+    """As torch's PowerSGDState (test_ddp_hook_pickling_powerSGD checks its note, word for word): an unpickled
+    state is on the default group, and the log says so once."""
+    pickled = pickle.dumps(_used_state())
+    with caplog.at_level(logging.WARNING, logger="gradcomm.hooks.powerSGD_hook"):
+        state = pickle.loads(pickled)
+    notes = [r.getMessage() for r in caplog.records if r.name == "gradcomm.hooks.powerSGD_hook"]
+    assert notes == [
+        "NOTE: Process group will be set to a default group (i.e. the world size).\
+                If a different group is desired, please set `self.process_group` after PowerSGD state is loaded."
+    ]
+    assert state.process_group is None
+
+
 @pytest.mark.parametrize("rank", [1, 2, 4])
 def test_orthogonalize_matches_torch_and_keeps_zero_columns_finite(rank: int) -> None:
     matrices = torch.randn(3, 10, rank, generator=torch.Generator().manual_seed(rank))
@@ -928,6 +944,43 @@ def test_orthogonalize_matches_torch_and_keeps_zero_columns_finite(rank: int) ->
     assert torch.isfinite(degenerate).all()
     if rank <= 2:  # Gram-Schmidt keeps zero columns zero
         assert not degenerate[0].any() and not degenerate[1, :, 0].any()
+
+
+def _compress_at(offset: int, matrices: torch.Tensor, q0: torch.Tensor) -> list[torch.Tensor]:
+    """One power iteration and decompression of ``matrices`` (a batch) laid out from ``offset`` in a bucket,
+    with their ``P`` and ``Q`` from ``offset`` in their messages, as the hook does."""
+    count, rows, cols = matrices.shape
+    rank = q0.shape[2]
+    numel = rows * cols
+    bucket = torch.zeros(offset + count * numel)
+    batch = kernel.Batch(tuple(offset + i * numel for i in range(count)), rows, cols, rank)
+    for i, o in enumerate(batch.offsets):
+        bucket[o : o + numel].copy_(matrices[i].reshape(-1))
+    p_memory, q_memory = torch.zeros(offset + batch.p_numel), torch.zeros(offset + batch.q_numel)
+    p = p_memory[offset:].view(count, rows, rank)
+    q = q_memory[offset:].view(count, cols, rank)
+    q.copy_(q0)
+    m = batch.matrices(bucket)
+    kernel.bmm(m, kernel.staged(q), p)
+    orthogonalize(p)
+    kernel.bmm(m.transpose(1, 2), kernel.staged(p), q)
+    out = torch.zeros_like(bucket)
+    batch.decompress(p, q, m, out)
+    return [p.clone(), q.clone(), out[offset:].clone()]
+
+
+@pytest.mark.parametrize(("count", "rank"), [(1, 1), (3, 1), (1, 2), (2, 3)])
+def test_kernel_rounds_the_same_wherever_a_matrix_lies(count: int, rank: int) -> None:
+    """A matrix's P, Q and approximation do not depend on where it lies in its bucket (or its P and Q in their
+    messages): BLAS rounds differently with the alignment of its operands (MKL's rank-1 product sums in another
+    order 4 bytes off a 16-byte boundary), and a resumed run's first iteration can have other buckets."""
+    generator = torch.Generator().manual_seed(count * 10 + rank)
+    matrices = torch.randn(count, 37, 21, generator=generator)
+    q0 = torch.randn(count, 21, rank, generator=generator)
+    reference = _compress_at(0, matrices, q0)
+    for offset in range(1, 17):
+        for name, ours, expected in zip(("P", "Q", "P Q^T"), _compress_at(offset, matrices, q0), reference, strict=True):
+            assert torch.equal(ours, expected), f"{name} differs with the matrices {offset * 4} bytes further on"
 
 
 class FakeBucket:

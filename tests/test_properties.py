@@ -585,13 +585,6 @@ def _watchdog(where: str) -> Iterator[None]:
         timer.cancel()
 
 
-# Every subgroup stays referenced until the rank exits. PowerSGD's future callbacks run on the group's gloo
-# worker thread and hold the group (through their closures and the hook state) until they return, which can
-# be after the step has completed; had the example destroyed the group and dropped the DDP by then, the group
-# would be freed on its own worker thread, which joins itself and aborts the rank ("terminate called ...
-# Resource deadlock avoided"). That teardown race is a separate library issue, not a property checked here;
-# keeping the groups alive stops it from aborting the whole run and hiding every hook's results.
-_SUBGROUPS: list[dist.ProcessGroup] = []
 
 
 def run_case(hook: str, case: Case) -> str | None:
@@ -605,7 +598,6 @@ def _run_case(hook: str, case: Case, where: str) -> str | None:
     world_size = dist.get_world_size()
     dist.barrier()  # the previous example has ended on every rank
     group = dist.new_group(backend=BACKEND, timeout=datetime.timedelta(seconds=EXAMPLE_TIMEOUT))
-    _SUBGROUPS.append(group)
     report: dict[str, Any] = {"where": where}
     try:
         model = PropertyModel(case.spec).to(DEVICE)

@@ -127,6 +127,9 @@ class _Waiters:
         while True:
             job, args = self._jobs.get()
             job(*args)
+            # an idle thread keeps nothing: the works waited for hold their group's connections (gloo's TCP
+            # loop), which must go with the group, not at this thread's next job
+            del job, args
             with self._lock:
                 self._idle += 1
 

@@ -18,6 +18,16 @@ launching. The peers then wait for a collective this rank never enters and fail 
 timeout passes, instead of exchanging mismatched data.
 
 One launcher per hook state: its order is that state's hook calls.
+
+**What a backend thread releases.** A collective's callbacks run on the backend's thread that completes it
+(one of gloo's worker threads), and torch releases a callback there only after the future it completes, so
+after the training loop may have gone on and dropped the DDP, the hook state and the process group. A group
+whose last reference goes on one of its own worker threads is destroyed there, and gloo's destructor joins
+that very thread: ``std::system_error: Resource deadlock avoided``, and the process aborts. So the closures
+the launcher is given (a prepare function, a launch: they hold the hook's state or its group) are released
+before the collective they lead to can complete: a prepare function as soon as it has run, a launch as soon
+as its collective has started, before anything is chained to its result. Callbacks that hooks chain with
+``Future.then`` themselves must hold tensors and plain values only, never a state or a group.
 """
 
 from __future__ import annotations
@@ -51,14 +61,20 @@ class Slot:
         self.context = contextvars.copy_context()
 
     def _run(self) -> BaseException | None:
-        """Launch the collective; return the exception if launching it failed."""
+        """Launch the collective; return the exception if launching it failed.
+
+        The launch closure (it holds buffers and the group) is released here, before the slot's future can
+        complete: see the module's docstring.
+        """
         assert self.launch is not None
-        launch, self.launch = self.launch, None  # drop the closure once used: it holds buffers and the group
+        launch, self.launch = self.launch, None
         try:
             collective = self.context.run(launch)
         except BaseException as exc:
+            del launch
             self._fail(exc)
             return exc
+        del launch
         collective.then(self._complete)
         return None
 
@@ -133,14 +149,23 @@ class OrderedLauncher:
         returns the collective to launch there. If ``future`` failed or ``prepare`` raises, the place is
         cancelled (stopping the launcher) and the returned future fails with that error."""
         slot = self.reserve(device)
+        # ready() is released by the thread that runs it only after the future it completes: it must not
+        # keep prepare (and what prepare holds) once it has run; see the module's docstring
+        pending = [prepare]
+        del prepare
 
         def ready(done: torch.futures.Future[Any]) -> None:
+            prepare = pending.pop()
             try:
                 launch = prepare(done)
             except BaseException as exc:
+                del prepare
                 self.cancel(slot, exc)
-            else:
-                self.release(slot, launch)
+                return
+            del prepare
+            with self._lock:
+                slot.launch, launch = launch, None  # the slot holds it alone: _run releases it
+                self._drain()
 
         future.then(ready)
         return slot.future

@@ -135,11 +135,6 @@ class Reducer(ReducerSurface):
         )
         self._reset_iteration()
         self_ref = weakref.ref(self)
-        # the per-gradient step of each parameter: dense into its bucket view, or sparse into a bucket of its own
-        self._markers = [
-            self._mark_sparse_ready if self._sparse and self._sparse[index] else self._mark_ready
-            for index in range(len(self._params))
-        ]
         self._grad_hook_handles, self._accumulators = [], []  # the nodes are kept: see after_accumulation
         for index, param in enumerate(self._params):
             handle, accumulator = after_accumulation(param, GradReadyHook(self_ref, index))
@@ -160,6 +155,8 @@ class Reducer(ReducerSurface):
             names = [self._names[i] for i in indices]
             rank = dist.get_rank(self._group)
             raise unfinished_reduction_error(names, indices, rank, self._static.enabled, self._find_unused)
+        if self._synced_backwards == 0 and not self._has_rebuilt:
+            self._adopt_hook_state_layout()
         if not self._runner.setup_checked:
             self._runner.check_same_setup(self._setup())
         if self._rebuild_order is not None:
@@ -192,12 +189,12 @@ class Reducer(ReducerSurface):
             if not self._static.recorded:
                 # torch's first static iteration: count each parameter's gradients, reduce everything at the end
                 self._first_counts = [0] * len(self._params)
-                self._counting = self._count_first
+                self._counting = "first"
                 self._end_of_backward_at(outputs)
             else:
                 self._unused = self._static.locally_unused
                 self._countdown = list(self._static.hook_counts)
-                self._counting = self._count_down
+                self._counting = "down"
         elif self._find_unused:
             if outputs is None:
                 self._unused_at_end = True
@@ -280,6 +277,37 @@ class Reducer(ReducerSurface):
             return all(self._params[i].is_contiguous() for i in indices)
         return self._as_view
 
+    def _adopt_hook_state_layout(self) -> None:
+        """Before the first iteration: reduce in the buckets the hook state was made in (its ``bucket_layout``:
+        each bucket's parameter names), where this DDP's own rebuild would have made them from that order.
+
+        A state resumed through ``torch.save`` then reduces in its buckets from the first step, as after
+        :meth:`load_bucket_layout`; otherwise the first iteration would run in the initial layout, in which
+        per-bucket state (batched PowerSGD's ``Q``) does not fit and sums round differently from three ranks
+        on. A layout of other parameters, or one this DDP would bucket differently (another
+        ``bucket_cap_mb``), is left alone: the state is keyed by parameter and resumes in any layout.
+        """
+        layout = getattr(self._runner.state, "bucket_layout", None)
+        if not layout or self._rebuild_done:  # no rebuild to anticipate (find_unused_parameters: the initial)
+            return
+        index = {name: i for i, name in enumerate(self._names)}
+        if not all(isinstance(key, str) and key in index for keys in layout for key in keys):
+            return
+        groups = [[index[key] for key in keys] for keys in layout]
+        order = [i for group in groups for i in group]
+        if sorted(order) != list(range(len(self._params))):
+            return
+        rebuilt = assign_buckets(
+            self._params, order, self._first_limit, self._limit, limits=self._bucket_caps, alone=self._sparse
+        )
+        if rebuilt != groups:
+            logger.debug("the hook state's bucket layout is not what this DDP would build; keeping its own")
+            return
+        self._rebuild_in_order(order, broadcast=False)
+        self._rebuild_done, self._rebuild_order, self._ready_order = True, None, []
+        self._runner.setup_checked = False  # the ranks compare the adopted buckets before the first step
+        logger.debug("adopted the hook state's %d buckets", len(groups))
+
     def _rebuild_in_order(self, ready_order: list[int], broadcast: bool = True, source_rank: int = 0) -> None:
         order = torch.tensor(ready_order, dtype=torch.int64, device=collective_device(self._group))
         if broadcast:  # one rank's order (rank 0's), so that every rank has the same buckets
@@ -318,7 +346,9 @@ class Reducer(ReducerSurface):
         self._finalize_queued = False
         self._end_queued = False
         self._end_at_first_grad = False
-        self._counting: Any = None  # static graph: decides per gradient whether the parameter is ready yet
+        # static graph: how a gradient is counted before its parameter is ready ("first": _count_first, "down":
+        # _count_down); a name, not a bound method, so that the reducer holds no reference to itself
+        self._counting: str | None = None
         self._unused: list[int] = []
         self._unused_at_end = False
         self._locally_used = self._used_map if self._static.reduces_used_map(self._find_unused) else None
@@ -333,12 +363,21 @@ class Reducer(ReducerSurface):
             if self._end_at_first_grad:
                 self._queue_end_of_backward()
             for unused in self._unused:
-                self._markers[unused](unused)
+                self._mark(unused)
         if self._locally_used is not None:
             self._locally_used[index] = 1
-        if self._counting is not None and self._counting(index):
+        if self._counting == "first" and self._count_first(index):
             return
-        self._markers[index](index)
+        if self._counting == "down" and self._count_down(index):
+            return
+        self._mark(index)
+
+    def _mark(self, index: int) -> None:
+        """The per-gradient step of a parameter: dense into its bucket view, or sparse into a bucket of its own."""
+        if self._sparse and self._sparse[index]:
+            self._mark_sparse_ready(index)
+        else:
+            self._mark_ready(index)
 
     def _mark_ready(self, index: int) -> None:
         if self._ready[index]:
@@ -452,17 +491,17 @@ class Reducer(ReducerSurface):
             return
         queued, self._finalize_queued = self._finalize_queued, True  # finalize here or in the one queued
         try:
-            if self._counting == self._count_first:
+            if self._counting == "first":
                 self._counting = None
                 self._static.hook_counts = list(self._first_counts)
                 order, self._ready_order = self._ready_order, []
                 seen = set(order)
                 for index in [*order, *(i for i in range(len(self._params)) if i not in seen)]:
-                    self._markers[index](index)
+                    self._mark(index)
             elif self._unused_at_end:
                 index = self._ready.find(0)
                 while index != -1:
-                    self._markers[index](index)
+                    self._mark(index)
                     index = self._ready.find(0, index + 1)
         except BaseException as exc:
             self._fail(exc)

@@ -222,7 +222,7 @@ class ReducerSurface:
     def _delay_all_reduce(self) -> None:
         """torch's first-iteration flush of a static graph, which Lightning calls after a manual backward:
         reduce every bucket now if that backward has not done it already."""
-        if self._armed and self._started and self._counting == self._count_first:
+        if self._armed and self._started and self._counting == "first":
             self._end_of_backward()
 
     def set_static_graph(self) -> None:

@@ -17,6 +17,7 @@ runs part of its forward on a side stream) and read a gradient not yet computed.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,7 +38,9 @@ class StagedWrites:
     __slots__ = ("_bucket", "_first", "_immediate", "_last", "_nbytes", "_sources", "_targets")
 
     def __init__(self, bucket: Bucket) -> None:
-        self._bucket = bucket
+        # weak: the bucket holds this object, and a cycle would keep both (and the DDP's process group) alive
+        # until the cyclic collector runs
+        self._bucket = weakref.ref(bucket)
         self._immediate = bucket.params[0].device.type != "cpu"  # no runs: see the module's docstring
         self.discard()
 
@@ -51,7 +54,8 @@ class StagedWrites:
     def put(self, position: int, grad: torch.Tensor | None, scale: float | None) -> None:
         """Write ``grad`` times ``scale`` (if given) into the view at ``position``, now or with its run;
         ``grad`` ``None``: the view already holds the gradient (accumulated in place, or zeroed)."""
-        bucket = self._bucket
+        bucket = self._bucket()
+        assert bucket is not None
         nbytes = bucket.nbytes[position]
         if nbytes >= RUN_BYTES or self._immediate:
             self.flush(scale)
@@ -84,7 +88,8 @@ class StagedWrites:
         if self._sources:
             torch._foreach_copy_(self._targets, self._sources)
         if scale is not None:
-            bucket = self._bucket
+            bucket = self._bucket()
+            assert bucket is not None
             start = bucket.offsets[self._first]
             end = bucket.offsets[self._last] + bucket.lengths[self._last]
             bucket.buffer[start:end].mul_(scale)

@@ -227,8 +227,6 @@ class AutoHookState(HookState):
         self.trial_steps = trial_steps
         self.remeasure_every = remeasure_every
         self.tie_tolerance = float(tie_tolerance)
-        self.measure_link: Callable[[], Link] = lambda: measure_link(self.process_group)
-        """Measures the link (a collective); replaceable, e.g. by a test that simulates a slower link."""
         self._restart_trial()
         self.step = 0
         self.link: Link | None = None
@@ -249,6 +247,12 @@ class AutoHookState(HookState):
         self._overhead = 0.0
         self._traffic_before: tuple[dict[tuple[str, int], int], int] = ({}, 0)
         self._pending: list[tuple[list[int], list[int], list[torch.Tensor], list[int], torch.futures.Future]] = []
+
+    def measure_link(self) -> Link:
+        """Measure the link (a collective); replaceable on an instance (``state.measure_link = ...``), e.g. by
+        a test that simulates a slower link. A method, not a closure over the state: the state then holds no
+        reference to itself, and is freed (with its process group) as soon as it is dropped."""
+        return measure_link(self.process_group)
 
     def comm_hook_fingerprint(self) -> str:
         """What must agree across ranks: the options (the measurements differ by rank until agreed)."""

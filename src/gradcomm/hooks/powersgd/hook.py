@@ -181,7 +181,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
         >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
         >>> ddp_model.register_comm_hook(state, powerSGD_hook)
     """
-    keys = state._keys.of(bucket)  # from the first iteration on: the order of first appearance is the key
+    keys = state.note_bucket(bucket)  # from the first iteration on: the order of first appearance is the key
     if state.iter < state.start_powerSGD_iter:
         return _allreduce_mean(state, bucket)
 
@@ -216,20 +216,20 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
         kernel.gather(source, plan.uncompressed, uncompressed)
     kernel.prepare_qs(qs, q_memory, fresh, state.rng, state.orthogonalization_epsilon)
     for m, q, p in zip(matrices, qs, ps, strict=True):
-        torch.bmm(m, q, out=p)
+        kernel.bmm(m, kernel.staged(q), p)
 
     pending: list[torch.futures.Future[torch.Tensor]] = []
     if uncompressed is not None and not coalesced:
-        pending.append(
-            state._launcher.launch(lambda: comm.all_reduce(uncompressed, state.process_group), buffer.device)
-        )
+        group = state.process_group
+        pending.append(state._launcher.launch(lambda: comm.all_reduce(uncompressed, group), buffer.device))
     if plan.batches:
+        epsilon = state.orthogonalization_epsilon  # the closures below must not hold the state (see comm.launcher)
 
         def compute_qs() -> None:
             for p in ps:
-                kernel.orthogonalize(p, state.orthogonalization_epsilon)
+                kernel.orthogonalize(p, epsilon)
             for m, p, q in zip(matrices, ps, qs, strict=True):
-                torch.bmm(m.transpose(1, 2), p, out=q)
+                kernel.bmm(m.transpose(1, 2), kernel.staged(p), q)
 
         pending.append(_sum_p_then_q(state, p_memory, q_memory, compute_qs))
 
@@ -310,7 +310,7 @@ def batched_powerSGD_hook(
         >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
         >>> ddp_model.register_comm_hook(state, batched_powerSGD_hook)
     """
-    keys = state._keys.of(bucket)
+    keys = state.note_bucket(bucket)
     if state.iter < state.start_powerSGD_iter:
         return _allreduce_mean(state, bucket)
 
@@ -332,8 +332,10 @@ def batched_powerSGD_hook(
     kernel.prepare_qs([q.unsqueeze(0)], q_memory, fresh, state.rng, state.orthogonalization_epsilon)
     p = torch.matmul(matrix, q)
 
+    epsilon = state.orthogonalization_epsilon  # the closures below must not hold the state (see comm.launcher)
+
     def compute_q() -> None:
-        kernel.orthogonalize(p.unsqueeze(0), state.orthogonalization_epsilon)
+        kernel.orthogonalize(p.unsqueeze(0), epsilon)
         torch.matmul(matrix.t(), p, out=q)
 
     q_summed = _sum_p_then_q(state, p, q_memory, compute_q)

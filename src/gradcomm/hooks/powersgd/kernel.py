@@ -3,6 +3,15 @@
 Pure tensor code with no communication and no state: what to compress and when is decided by the hooks
 (:mod:`gradcomm.hooks.powersgd.hook`), and what is kept between steps by the state
 (:mod:`gradcomm.hooks.powersgd.state`), as in epfml/powersgd's split of policy from kernel.
+
+Every matrix a product or an orthonormalization reads or writes is handed to it at a multiple of
+:data:`ALIGNMENT` bytes, wherever it lies in the bucket or in the ``P`` and ``Q`` messages. BLAS kernels round
+differently with the alignment of their operands (MKL's matrix-vector product, which rank 1 uses, sums in
+another order when a matrix starts 4 bytes off a 16-byte boundary), so without this a matrix's ``P`` and
+``Q`` would depend on the parameters before it in its bucket: a run resumed on a fresh DDP, whose first
+iteration has other buckets than the saved run (see :mod:`gradcomm.hooks.parameter_keys`), would drift from
+the uninterrupted one by an ulp. A matrix that lies unaligned goes through an aligned copy
+(:func:`staged`, :func:`bmm`); the messages keep torch's compact layout, so what is sent is unchanged.
 """
 
 import math
@@ -13,8 +22,11 @@ import numpy as np
 import torch
 
 __all__ = [
+    "ALIGNMENT",
     "Batch",
+    "bmm",
     "decompress_with_error",
+    "empty_batch",
     "fill_random",
     "gather",
     "orthogonalize",
@@ -22,7 +34,60 @@ __all__ = [
     "scatter",
     "split",
     "square_side",
+    "staged",
 ]
+
+ALIGNMENT = 64
+
+
+def padded(numel: int, element_size: int) -> int:
+    """``numel`` rounded up to a whole number of :data:`ALIGNMENT`-byte blocks of elements."""
+    per_block = max(1, ALIGNMENT // element_size)
+    return -(-numel // per_block) * per_block
+
+
+def is_aligned(matrices: torch.Tensor) -> bool:
+    """Whether every matrix of the ``(batch, rows, cols)`` tensor starts at an aligned address."""
+    if matrices.data_ptr() % ALIGNMENT:
+        return False
+    return matrices.shape[0] < 2 or (matrices.stride(0) * matrices.element_size()) % ALIGNMENT == 0
+
+
+def aligned_empty(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A flat tensor of ``numel`` elements starting at an aligned address (torch's allocators align to 64
+    bytes or more; sliced out of a larger one where one did not)."""
+    flat = like.new_empty(numel)
+    if flat.data_ptr() % ALIGNMENT == 0:
+        return flat
+    spare = max(1, ALIGNMENT // like.element_size())
+    larger = like.new_empty(numel + spare)
+    start = (-larger.data_ptr() % ALIGNMENT) // like.element_size()
+    return larger[start : start + numel]
+
+
+def empty_batch(batch: int, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+    """A new ``(batch, rows, cols)`` tensor of aligned matrices."""
+    stride = padded(rows * cols, like.element_size())
+    return aligned_empty(batch * stride, like).view(batch, stride)[:, : rows * cols].view(batch, rows, cols)
+
+
+def staged(matrices: torch.Tensor) -> torch.Tensor:
+    """``matrices`` (a ``(batch, rows, cols)`` tensor) if aligned, else an aligned copy."""
+    if is_aligned(matrices):
+        return matrices
+    copy = empty_batch(*matrices.shape, like=matrices)
+    copy.copy_(matrices)
+    return copy
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = a @ b`` per matrix, rounded as with every operand aligned, wherever ``out`` lies (``a`` and ``b``
+    must be aligned, e.g. through :func:`staged`; transposed views of aligned matrices are)."""
+    if is_aligned(out):
+        torch.bmm(a, b, out=out)
+    else:
+        out.copy_(torch.bmm(a, b, out=empty_batch(*out.shape, like=out)))
+
 
 def orthogonalize(matrices: torch.Tensor, epsilon: float = 0) -> None:
     """Orthonormalize, in place, the columns of each matrix of a ``(batch, rows, cols)`` tensor.
@@ -33,6 +98,13 @@ def orthogonalize(matrices: torch.Tensor, epsilon: float = 0) -> None:
         raise ValueError(
             f"expected a batch of matrices with no more columns than rows, got {tuple(matrices.shape)}"
         )
+    work = staged(matrices)
+    _orthogonalize(work, epsilon)
+    if work is not matrices:
+        matrices.copy_(work)
+
+
+def _orthogonalize(matrices: torch.Tensor, epsilon: float) -> None:
     if matrices.shape[2] <= 2 or matrices.dtype in (torch.float16, torch.bfloat16):
         orthogonalize_gram_schmidt(matrices, epsilon)
     else:
@@ -110,18 +182,27 @@ class Batch:
     def q_numel(self) -> int:
         return len(self.offsets) * self.cols * self.rank
 
+    def _view(self, flat: torch.Tensor, offset: int) -> torch.Tensor:
+        return flat[offset : offset + self.matrix_numel].view(1, self.rows, self.cols)
+
     def matrices(self, flat: torch.Tensor) -> torch.Tensor:
-        """``(batch, rows, cols)``: a view of ``flat`` for one matrix, a stacked copy for several."""
-        views = [flat[o : o + self.matrix_numel].view(self.rows, self.cols) for o in self.offsets]
-        return views[0].unsqueeze(0) if len(views) == 1 else torch.stack(views)
+        """``(batch, rows, cols)`` aligned matrices: a view of ``flat`` for one aligned matrix, else a copy."""
+        views = [self._view(flat, o) for o in self.offsets]
+        if len(views) == 1 and is_aligned(views[0]):
+            return views[0]
+        copy = empty_batch(len(views), self.rows, self.cols, flat)
+        for i, view in enumerate(views):
+            copy[i].copy_(view[0])
+        return copy
 
     def decompress(self, p: torch.Tensor, q: torch.Tensor, matrices: torch.Tensor, out: torch.Tensor) -> None:
-        """Write ``P Q^T`` for each matrix into ``out`` (the bucket), through ``matrices`` if it is a copy."""
+        """Write ``P Q^T`` for each matrix into ``out`` (the bucket), through an aligned copy where needed
+        (``matrices``, if it is a copy, is overwritten)."""
+        p, q_t = staged(p), staged(q).transpose(1, 2)
         if len(self.offsets) == 1:
-            o = self.offsets[0]
-            torch.bmm(p, q.transpose(1, 2), out=out[o : o + self.matrix_numel].view(1, self.rows, self.cols))
+            bmm(p, q_t, self._view(out, self.offsets[0]))
             return
-        torch.bmm(p, q.transpose(1, 2), out=matrices)
+        torch.bmm(p, q_t, out=matrices)
         for i, o in enumerate(self.offsets):
             out[o : o + self.matrix_numel].view(self.rows, self.cols).copy_(matrices[i])
 

@@ -45,6 +45,14 @@ _COUNTERS = ("iter", "total_numel_before_compression", "total_numel_after_compre
 _BUFFERS = ("error_dict", "q_memory_dict", "parameter_shapes")
 _BUCKET_BUFFERS = ("bucket_q_memory_dict", "bucket_padding_error_dict")
 
+# torch's PowerSGDState.__setstate__ logs this, word for word (the spaces are its string's continued line), and
+# torch's test_ddp_hook_pickling_powerSGD expects it
+DEFAULT_GROUP_NOTE = (
+    "NOTE: Process group will be set to a default group (i.e. the world size)."
+    + " " * 16
+    + "If a different group is desired, please set `self.process_group` after PowerSGD state is loaded."
+)
+
 
 class PowerSGDState(HookState):
     r"""Hyperparameters and per-bucket state of :func:`powerSGD_hook` and :func:`batched_powerSGD_hook`.
@@ -72,6 +80,13 @@ class PowerSGDState(HookState):
     their order: ``bucket_q_memory_dict`` and ``bucket_padding_error_dict`` are keyed by the tuple of the
     bucket's parameter keys, reused only by a bucket of the same parameters in the same order; another
     bucket starts with a fresh random ``Q``, as at the first compressed iteration.
+
+    ``bucket_layout`` records the buckets of the last whole iteration (each bucket's parameter keys, in
+    bucket order) and is saved with the rest. gradcomm's DDP adopts it before the first iteration of a
+    resumed run where its own buckets would have come out the same after its rebuild, so that a state resumed
+    through ``torch.save`` reduces in the buckets it was made in from the first step, as
+    :func:`gradcomm.ddp.checkpoint.load_checkpoint` arranges: batched PowerSGD's per-bucket ``Q``, and from
+    three ranks on any sum, depend on the buckets. torch's DDP cannot adopt a layout.
     """
 
     def __init__(
@@ -143,6 +158,7 @@ class PowerSGDState(HookState):
         self.parameter_shapes: dict[Key, Shape] = {}
         self.bucket_q_memory_dict: dict[BucketKeys, torch.Tensor] = {}
         self.bucket_padding_error_dict: dict[BucketKeys, torch.Tensor] = {}
+        self.bucket_layout: list[BucketKeys] | None = None
         self.iter = 0
         self.total_numel_before_compression = 0
         self.total_numel_after_compression = 0
@@ -159,6 +175,7 @@ class PowerSGDState(HookState):
         """Forget what belongs to this process (keys, bound buffers); ``check`` the next buckets against the
         saved parameter shapes, for a state just loaded."""
         self._keys = ParameterKeys()
+        self._iteration_keys: list[BucketKeys] = []  # the buckets seen so far in this iteration
         self._buckets: dict[BucketKeys, Any] = {}
         self._owner: dict[Key, BucketKeys] = {}
         self._reinit_logged = False
@@ -167,6 +184,16 @@ class PowerSGDState(HookState):
     def keys(self, bucket: dist.GradBucket) -> BucketKeys:
         """The keys of ``bucket``'s parameters in this state (see :mod:`gradcomm.hooks.parameter_keys`)."""
         return self._keys.of(bucket)
+
+    def note_bucket(self, bucket: dist.GradBucket) -> BucketKeys:
+        """The keys of ``bucket``'s parameters, recorded in :attr:`bucket_layout` once its iteration is whole."""
+        keys = self._keys.of(bucket)
+        if bucket.index() == 0:
+            self._iteration_keys = []
+        self._iteration_keys.append(keys)
+        if bucket.is_last():
+            self.bucket_layout, self._iteration_keys = self._iteration_keys, []
+        return keys
 
     def compression_stats(self) -> tuple[float, int, int]:
         """``(compress_rate, numel_before_compression, numel_after_compression)`` since compression started.
@@ -187,7 +214,7 @@ class PowerSGDState(HookState):
     # -- checkpointing ------------------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for runtime in ("_launcher", "_keys", "_buckets", "_owner", "_reinit_logged", "_check"):
+        for runtime in ("_launcher", "_keys", "_iteration_keys", "_buckets", "_owner", "_reinit_logged", "_check"):
             state.pop(runtime, None)
         return state
 
@@ -195,7 +222,9 @@ class PowerSGDState(HookState):
         if "bucket_layouts" in state:
             raise ValueError(_older_gradcomm("a pickled PowerSGDState"))
         self._launcher = OrderedLauncher()
+        logger.warning(DEFAULT_GROUP_NOTE)
         super().__setstate__(state)
+        self.__dict__.setdefault("bucket_layout", None)  # pickled before the layout was recorded
         self._reset_runtime(check=True)
 
     def _plain_state(self) -> dict[str, Any]:
@@ -209,6 +238,7 @@ class PowerSGDState(HookState):
                 name: [{"keys": list(keys), "tensor": tensor} for keys, tensor in getattr(self, name).items()]
                 for name in _BUCKET_BUFFERS
             },
+            "bucket_layout": None if self.bucket_layout is None else [list(keys) for keys in self.bucket_layout],
             "rng_state": {
                 "keys": torch.from_numpy(keys.astype(np.int64)),
                 "pos": int(pos),
@@ -220,8 +250,8 @@ class PowerSGDState(HookState):
     def _restore_plain_state(self, state: dict[str, Any]) -> None:
         if "bucket_layouts" in state:
             raise ValueError(_older_gradcomm("PowerSGDState.load_state_dict: this state dict"))
-        expected = set(_HYPERPARAMETERS + _COUNTERS + _BUFFERS + _BUCKET_BUFFERS) | {"rng_state"}
-        if set(state) != expected:
+        expected = set(_HYPERPARAMETERS + _COUNTERS + _BUFFERS + _BUCKET_BUFFERS) | {"rng_state", "bucket_layout"}
+        if set(state) | {"bucket_layout"} != expected:  # saved before the layout was recorded: none
             raise ValueError(
                 "PowerSGDState.load_state_dict: not a PowerSGDState state dict; "
                 f"missing keys {sorted(expected - set(state))}, unexpected keys {sorted(set(state) - expected)}"
@@ -244,6 +274,8 @@ class PowerSGDState(HookState):
         }
         for name in _BUCKET_BUFFERS:
             setattr(self, name, {tuple(entry["keys"]): entry["tensor"].clone() for entry in state[name]})
+        layout = state.get("bucket_layout")
+        self.bucket_layout = None if layout is None else [tuple(keys) for keys in layout]
         rng_state = state["rng_state"]
         self.rng = np.random.RandomState()
         self.rng.set_state(
