@@ -164,6 +164,7 @@ def _plan(kind: str) -> list[tuple[str, int]]:
     return [*reference, *((name, ROUNDS) for name in hook_names()), ("powersgd", POWERSGD_ROUNDS)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind", DDP_KINDS)
 def test_dropped_ddps_free_their_groups_at_once_and_no_rank_aborts(kind: str) -> None:

@@ -518,8 +518,8 @@ class DistributedDataParallel(TorchDDPSurface):
     def bucket_layout(self) -> dict[str, Any]:
         """The bucket layout as plain values; saved by :func:`gradcomm.ddp.checkpoint.save_checkpoint`.
 
-        Hook state that is kept per bucket (PowerSGD's error feedback and warm start) only fits the buckets it
-        was made for, so a resumed run must reduce in the original run's buckets from its first step.
+        Hook state is kept per parameter and resumes in any layout; a resumed run that reduces in the original
+        run's buckets from its first step also sums in the same order, so it continues bit for bit.
         """
         return self.reducer.bucket_layout()
 
