@@ -64,7 +64,7 @@ from gradcomm.ddp.reducer_surface import (
     unfinished_reduction_error,
 )
 from gradcomm.ddp.sparse import SparseBucket
-from gradcomm.ddp.unused import UsedParameters, parameters_reached, tensors_in
+from gradcomm.ddp.unused import StaticCounting, UsedParameters, parameters_reached, tensors_in
 
 __all__ = ["Reducer"]
 
@@ -189,12 +189,12 @@ class Reducer(ReducerSurface):
             if not self._static.recorded:
                 # torch's first static iteration: count each parameter's gradients, reduce everything at the end
                 self._first_counts = [0] * len(self._params)
-                self._counting = "first"
+                self._counting = StaticCounting.FIRST
                 self._end_of_backward_at(outputs)
             else:
                 self._unused = self._static.locally_unused
                 self._countdown = list(self._static.hook_counts)
-                self._counting = "down"
+                self._counting = StaticCounting.DOWN
         elif self._find_unused:
             if outputs is None:
                 self._unused_at_end = True
@@ -346,9 +346,8 @@ class Reducer(ReducerSurface):
         self._finalize_queued = False
         self._end_queued = False
         self._end_at_first_grad = False
-        # static graph: how a gradient is counted before its parameter is ready ("first": _count_first, "down":
-        # _count_down); a name, not a bound method, so that the reducer holds no reference to itself
-        self._counting: str | None = None
+        # static graph: how a gradient is counted before its parameter is ready (None: it is ready at once)
+        self._counting: StaticCounting | None = None
         self._unused: list[int] = []
         self._unused_at_end = False
         self._locally_used = self._used_map if self._static.reduces_used_map(self._find_unused) else None
@@ -366,9 +365,9 @@ class Reducer(ReducerSurface):
                 self._mark(unused)
         if self._locally_used is not None:
             self._locally_used[index] = 1
-        if self._counting == "first" and self._count_first(index):
+        if self._counting is StaticCounting.FIRST and self._count_first(index):
             return
-        if self._counting == "down" and self._count_down(index):
+        if self._counting is StaticCounting.DOWN and self._count_down(index):
             return
         self._mark(index)
 
@@ -491,7 +490,7 @@ class Reducer(ReducerSurface):
             return
         queued, self._finalize_queued = self._finalize_queued, True  # finalize here or in the one queued
         try:
-            if self._counting == "first":
+            if self._counting is StaticCounting.FIRST:
                 self._counting = None
                 self._static.hook_counts = list(self._first_counts)
                 order, self._ready_order = self._ready_order, []

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from gradcomm.comm.faults import reporting_lost_peers
 from gradcomm.ddp.telemetry import CommStats
-from gradcomm.ddp.unused import UsedParameters
+from gradcomm.ddp.unused import StaticCounting, UsedParameters
 from gradcomm.hooks.contract import CommHook
 
 __all__ = ["ReducerSurface", "graph_changed_error", "marked_twice_error"]
@@ -222,7 +222,7 @@ class ReducerSurface:
     def _delay_all_reduce(self) -> None:
         """torch's first-iteration flush of a static graph, which Lightning calls after a manual backward:
         reduce every bucket now if that backward has not done it already."""
-        if self._armed and self._started and self._counting == "first":
+        if self._armed and self._started and self._counting is StaticCounting.FIRST:
             self._end_of_backward()
 
     def set_static_graph(self) -> None:

@@ -10,12 +10,13 @@ used-parameter map, and leave the ``.grad`` of parameters no rank used untouched
 
 from __future__ import annotations
 
+import enum
 from dataclasses import fields, is_dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["UsedParameters", "parameters_reached", "tensors_in"]
+__all__ = ["StaticCounting", "UsedParameters", "parameters_reached", "tensors_in"]
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
@@ -52,6 +53,15 @@ def parameters_reached(outputs: Any) -> set[int]:
                 stack.append(next_node)
     return reached
 
+
+class StaticCounting(enum.Enum):
+    """How a static graph's gradients are counted before a parameter is ready (a value, not a bound method, so
+    that the reducer holds no reference to itself)."""
+
+    FIRST = "first"
+    """The first iteration: count each parameter's gradients and mark everything at the end of backward."""
+    DOWN = "down"
+    """Later iterations: a parameter is ready at its last gradient of the first iteration's count."""
 
 class UsedParameters:
     """A static graph's record of unused parameters, and the evidence for torch's ``can_set_static_graph``.
