@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradcomm.ddp.checkpoint import load_checkpoint, save_checkpoint
+from gradcomm.checkpoint import load_checkpoint, save_checkpoint
 from gradcomm.hooks.auto_hook import AutoHookState, Link, auto_hook
 from gradcomm.hooks.link_model import fit_link
 from gradcomm.hooks.registry import (

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradcomm.ddp.averagers import PeriodicModelAverager
-from gradcomm.ddp.checkpoint import MANIFEST, load_checkpoint, rank_file, save_checkpoint
+from gradcomm.checkpoint import MANIFEST, load_checkpoint, rank_file, save_checkpoint
+from gradcomm.hooks.averagers import PeriodicModelAverager
 from gradcomm.hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from gradcomm.testing import run_on_ranks
 from tests.ddp_kinds import DDP_KINDS, make_ddp

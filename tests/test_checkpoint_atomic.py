@@ -19,8 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradcomm.comm.faults import PeerLostError
-from gradcomm.ddp.checkpoint import (
+from gradcomm.checkpoint import (
     FORMAT,
     MANIFEST,
     CheckpointError,
@@ -28,6 +27,7 @@ from gradcomm.ddp.checkpoint import (
     rank_file,
     save_checkpoint,
 )
+from gradcomm.comm.faults import PeerLostError
 from gradcomm.testing import RankError, run_on_ranks
 from tests.helpers import error_text, flat_parameters
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradcomm.ddp.checkpoint import load_checkpoint, save_checkpoint
+from gradcomm.checkpoint import load_checkpoint, save_checkpoint
 from gradcomm.diloco import DiLoCo
 from gradcomm.hooks.registry import make_comm_hook
 from gradcomm.testing import run_on_ranks

@@ -15,8 +15,8 @@ from torch import nn
 import gradcomm
 from gradcomm import comm
 from gradcomm.__main__ import main
+from gradcomm.checkpoint import save_checkpoint
 from gradcomm.compression import TopK
-from gradcomm.ddp.checkpoint import save_checkpoint
 from gradcomm.ddp.torch_compat import _REFUSED
 from gradcomm.hooks import default_hooks
 from gradcomm.hooks.compression_hook import CompressionState, compressed_allreduce_hook

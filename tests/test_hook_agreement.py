@@ -33,10 +33,10 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 
 import gradcomm
-from gradcomm.ddp.agreement import describe_hook
 from gradcomm.hooks import default_hooks
 from gradcomm.hooks.contract import replicas_may_differ
 from gradcomm.hooks.debugging_hooks import noop_hook
+from gradcomm.hooks.fingerprint import describe_hook
 from gradcomm.hooks.post_localSGD_hook import post_localSGD_hook
 from gradcomm.testing import run_on_ranks
 from tests.helpers import error_text

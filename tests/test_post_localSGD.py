@@ -17,7 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as to
 from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
 
 from gradcomm import comm
-from gradcomm.ddp.averagers import PeriodicModelAverager
+from gradcomm.hooks.averagers import PeriodicModelAverager
 from gradcomm.hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from gradcomm.testing import run_on_ranks
 from tests.ddp_kinds import DDP_KINDS, make_ddp

@@ -3,7 +3,7 @@
 The model registers its head before its body but uses the body first, so the buckets rebuilt after the first
 iteration (gradient-ready order) differ from the initial ones (reverse registration order). PowerSGD keeps
 error feedback and warm-start matrices per bucket: a resumed run must reduce in the original run's rebuilt
-buckets from its first step, which :func:`gradcomm.ddp.checkpoint.load_checkpoint` arranges.
+buckets from its first step, which :func:`gradcomm.checkpoint.load_checkpoint` arranges.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradcomm
-from gradcomm.ddp.checkpoint import load_checkpoint, save_checkpoint
+from gradcomm.checkpoint import load_checkpoint, save_checkpoint
 from gradcomm.hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from gradcomm.testing import run_on_ranks
 from tests.helpers import HeadFirst

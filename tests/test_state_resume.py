@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradcomm.checkpoint import load_checkpoint, save_checkpoint
 from gradcomm.compression import TopK
-from gradcomm.ddp.checkpoint import load_checkpoint, save_checkpoint
 from gradcomm.hooks.compression_hook import CompressionState, compressed_allreduce_hook
 from gradcomm.hooks.parameter_keys import name_parameters
 from gradcomm.hooks.powerSGD_hook import PowerSGDState, batched_powerSGD_hook, powerSGD_hook

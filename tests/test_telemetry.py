@@ -88,8 +88,8 @@ def telemetry_checks(jsonl_dir: str) -> dict[str, Any]:
     ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     stats = ddp.comm_stats()
     collector = _Collect()
-    logging.getLogger("gradcomm.ddp.telemetry").addHandler(collector)
-    logging.getLogger("gradcomm.ddp.telemetry").setLevel(logging.INFO)
+    logging.getLogger("gradcomm.comm.telemetry").addHandler(collector)
+    logging.getLogger("gradcomm.comm.telemetry").setLevel(logging.INFO)
     stats.log_every = 2
     stats.jsonl_path = os.path.join(jsonl_dir, f"rank{dist.get_rank()}.jsonl")
     _train(ddp, 4)

@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch import nn
 
 import gradcomm
-from gradcomm.ddp.averagers import PeriodicModelAverager
 from gradcomm.ddp.distributed import CHECK_PARAMETERS_EVERY
 from gradcomm.hooks import default_hooks, powerSGD_hook
+from gradcomm.hooks.averagers import PeriodicModelAverager
 from gradcomm.hooks.debugging_hooks import noop_hook
 from gradcomm.hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from gradcomm.hooks.powersgd import kernel as powersgd_kernel

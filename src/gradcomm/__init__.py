@@ -8,15 +8,15 @@ the contract of PyTorch's DDP communication hooks. Hooks live in :mod:`gradcomm.
 
 # First, so that an unsupported torch is refused with the fix before any module touches torch's internals.
 from gradcomm import _torch_version  # noqa: F401
+from gradcomm.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from gradcomm.comm.agreement import RanksDisagreeError
 from gradcomm.comm.faults import NonFiniteGradientError, ParameterDriftError, PeerLostError
-from gradcomm.ddp.agreement import RanksDisagreeError
-from gradcomm.ddp.averagers import PeriodicModelAverager
-from gradcomm.ddp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from gradcomm.ddp.distributed import DistributedDataParallel, ParameterMismatchError
 from gradcomm.ddp.legacy import LegacyDistributedDataParallel
 from gradcomm.ddp.torch_compat import UnsupportedArgumentError, UnsupportedTorchMethodError
 from gradcomm.diloco import DiLoCo
 from gradcomm.errors import GradcommError
+from gradcomm.hooks.averagers import PeriodicModelAverager
 from gradcomm.hooks.contract import CommHookError, CommHookResultError, CommHookTypeError
 from gradcomm.hooks.grad_bucket import GradBucket
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from gradcomm import comm
 from gradcomm.bench.workloads import Workload
-from gradcomm.ddp.agreement import broadcast_coalesced
+from gradcomm.comm.agreement import broadcast_coalesced
 from gradcomm.hooks.registry import apply_option_defaults, check_options, parse_hook_choice, resolve_hook_name
 
 __all__ = [

@@ -1,7 +1,7 @@
 """Turning the ranks' measurements into the bench's table, results.json, results.csv and plot.png.
 
 Per hook: final loss and metric, MB handed to collectives per step per rank, two compression ratios (see
-:mod:`gradcomm.ddp.telemetry`: *handed*, dense bucket bytes over bytes handed to collectives, and *wire*, what
+:mod:`gradcomm.comm.telemetry`: *handed*, dense bucket bytes over bytes handed to collectives, and *wire*, what
 a plain allreduce of the buckets puts on the link over what the hook put there), compute time (no network),
 measured step time, and the step time projected at 1, 10 and 100 Gbit/s as ``compute + wire bytes / rate``,
 where wire bytes are what ring collectives put on each rank's link for the measured inputs (see
@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from gradcomm.ddp.telemetry import byte_ratio
+from gradcomm.comm.telemetry import byte_ratio
 
 __all__ = [
     "HookSummary",

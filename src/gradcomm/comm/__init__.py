@@ -6,7 +6,9 @@ transport of its own: collectives are ``torch.distributed``'s, launched asynchro
 * :mod:`~gradcomm.comm.collectives`: asynchronous collectives returning ``torch.futures.Future`` and
   counting the bytes handed to them (:data:`traffic`, :func:`wire_bytes`, per group size
   :func:`group_wire_bytes`);
-* :mod:`~gradcomm.comm.faults`: the errors a lost peer or a diverged replica raises, and how to recognise them.
+* :mod:`~gradcomm.comm.faults`: the errors a lost peer or a diverged replica raises, and how to recognise them;
+* :mod:`~gradcomm.comm.agreement`: the ranks compare a fingerprint of their setup and their parameters' bits;
+* :mod:`~gradcomm.comm.telemetry`: what each synchronised step cost (a DDP's ``comm_stats()``).
 """
 
 from gradcomm.comm.collectives import (

@@ -148,7 +148,7 @@ def lost_contact(exc: BaseException, step: int | None, where: str, group: Any = 
         f"rank {rank} lost contact with its peers {during}{where}: {_describe_error(exc)}\n"
         f"A peer rank died, stalled for longer than {limit} or failed before it reached this collective; the "
         "other ranks' errors name the cause. This process group cannot be used any more: restart the job "
-        "and resume from the last checkpoint (gradcomm.ddp.checkpoint.load_checkpoint).",
+        "and resume from the last checkpoint (gradcomm.checkpoint.load_checkpoint).",
         rank,
         step,
         where,

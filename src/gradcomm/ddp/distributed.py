@@ -39,13 +39,13 @@ from torch.distributed import ProcessGroup
 from torch.distributed.algorithms.join import Join, Joinable
 
 from gradcomm.comm import collective_device
+from gradcomm.comm.agreement import broadcast_coalesced, check_same_parameters
 from gradcomm.comm.faults import reporting_lost_peers
+from gradcomm.comm.telemetry import CommStats
 from gradcomm.ddp import join as uneven
-from gradcomm.ddp.agreement import broadcast_coalesced, check_same_parameters
 from gradcomm.ddp.bucketing import bucket_size_limits, bucket_size_list
 from gradcomm.ddp.reducer import Reducer
 from gradcomm.ddp.sparse import expects_sparse_gradient
-from gradcomm.ddp.telemetry import CommStats
 from gradcomm.ddp.torch_compat import (
     TorchDDPSurface,
     UnsupportedArgumentError,

@@ -16,9 +16,9 @@ import torch
 from torch.distributed import ProcessGroup
 
 from gradcomm import comm
+from gradcomm.comm.agreement import check_same_on_all_ranks
 from gradcomm.comm.faults import reporting_lost_peers
-from gradcomm.ddp.agreement import check_same_on_all_ranks, hook_fingerprint
-from gradcomm.ddp.telemetry import CommStats
+from gradcomm.comm.telemetry import CommStats
 from gradcomm.hooks.contract import (
     DEFAULT_HOOK_NAME,
     CommHook,
@@ -28,6 +28,7 @@ from gradcomm.hooks.contract import (
     hook_result,
     replicas_may_differ,
 )
+from gradcomm.hooks.fingerprint import hook_fingerprint
 from gradcomm.hooks.grad_bucket import GradBucket
 
 __all__ = ["HookRunner"]
@@ -74,7 +75,7 @@ class HookRunner:
 
     def check_same_setup(self, setup: dict[str, str], hook: CommHook | None = None, state: Any = None) -> None:
         """Compare the hook (the registered one unless given), its options and ``setup`` across the ranks, all
-        raising :class:`~gradcomm.ddp.agreement.RanksDisagreeError` if they differ (a collective)."""
+        raising :class:`~gradcomm.comm.agreement.RanksDisagreeError` if they differ (a collective)."""
         if hook is None:
             hook, state = self.hook, self.state
         fingerprint = {**hook_fingerprint(hook, state), **setup}

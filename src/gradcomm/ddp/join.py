@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
 from gradcomm.comm import collective_device
+from gradcomm.comm.agreement import broadcast_coalesced
 from gradcomm.comm.faults import reporting_lost_peers
-from gradcomm.ddp.agreement import broadcast_coalesced
 
 if TYPE_CHECKING:
     from gradcomm.ddp.distributed import DistributedDataParallel

@@ -25,9 +25,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from gradcomm.comm.faults import reporting_lost_peers
+from gradcomm.comm.telemetry import CommStats
 from gradcomm.ddp.bucketing import assign_buckets
 from gradcomm.ddp.hook_runner import HookRunner
-from gradcomm.ddp.telemetry import CommStats
 from gradcomm.hooks.contract import CommHook
 from gradcomm.hooks.grad_bucket import GradBucket
 
@@ -78,7 +78,7 @@ class LegacyDistributedDataParallel(nn.Module):
         """Reduce each buffer with ``hook(state, bucket)`` instead of the averaging allreduce (once, before use).
 
         A collective: every rank must call it with the same hook and options; the ranks compare them and all
-        raise :class:`~gradcomm.ddp.agreement.RanksDisagreeError` if they differ.
+        raise :class:`~gradcomm.comm.agreement.RanksDisagreeError` if they differ.
         """
         too_late = f"before the first all_reduce(); {self._reductions} already ran" if self._reductions else None
         self._runner.register(state, hook, too_late, self._setup())
@@ -87,7 +87,7 @@ class LegacyDistributedDataParallel(nn.Module):
         return {"buffer_size": repr(self.buffer_size), "world_size": repr(self.world_size)}
 
     def comm_stats(self) -> CommStats:
-        """This DDP's communication statistics on this rank (see :mod:`gradcomm.ddp.telemetry`)."""
+        """This DDP's communication statistics on this rank (see :mod:`gradcomm.comm.telemetry`)."""
         return self._runner.stats
 
     def all_reduce(self) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 
 from gradcomm.comm.faults import reporting_lost_peers
-from gradcomm.ddp.telemetry import CommStats
+from gradcomm.comm.telemetry import CommStats
 from gradcomm.ddp.unused import StaticCounting, UsedParameters
 from gradcomm.hooks.contract import CommHook
 

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from gradcomm.ddp.agreement import broadcast_coalesced, check_same_parameters
-from gradcomm.ddp.telemetry import CommStats
+from gradcomm.comm.agreement import broadcast_coalesced, check_same_parameters
+from gradcomm.comm.telemetry import CommStats
 from gradcomm.diloco.exchange import FragmentExchange, PendingExchange
 from gradcomm.diloco.fragments import Fragment, split_into_fragments
 from gradcomm.diloco.groups import across_nodes_group, unwrap_ddp

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from gradcomm.comm.agreement import check_same_on_all_ranks
 from gradcomm.comm.faults import derived_group_timeout
-from gradcomm.ddp.agreement import check_same_on_all_ranks
 
 __all__ = ["across_nodes_group", "unwrap_ddp"]
 

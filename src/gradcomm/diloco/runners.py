@@ -13,8 +13,8 @@ from typing import Any
 
 from torch.distributed import ProcessGroup
 
+from gradcomm.comm.telemetry import CommStats
 from gradcomm.ddp.hook_runner import HookRunner
-from gradcomm.ddp.telemetry import CommStats
 from gradcomm.diloco.state import compressor_hook
 from gradcomm.hooks.contract import DEFAULT_HOOK_NAME
 

@@ -83,6 +83,7 @@ from gradcomm.comm.faults import derived_group_timeout
 from gradcomm.comm.launcher import OrderedLauncher
 from gradcomm.hooks.contract import check_hook, declares_replicas_may_differ, hook_name
 from gradcomm.hooks.default_hooks import mean_allreduce
+from gradcomm.hooks.fingerprint import describe_hook
 from gradcomm.hooks.hook_state import _GROUP_RANKS_KEY, HookState
 
 logger = logging.getLogger(__name__)
@@ -187,8 +188,6 @@ class HierarchicalState(HookState):
         topology and the inner state's options as built. Not the inner state's counters, which advance on the
         leaders only (a state loaded from a checkpoint differs between leaders and the other ranks). The inner
         hook is described through its wrappers (``fp16_compress_wrapper(powerSGD_hook)`` names both)."""
-        from gradcomm.ddp.agreement import describe_hook  # the DDP side imports the hooks, not the reverse
-
         inner = describe_hook(self.inner_hook)
         return f"HierarchicalState(inner={inner}, ranks_per_node={self.ranks_per_node}, inner state {self._inner_options})"
 

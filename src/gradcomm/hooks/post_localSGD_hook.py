@@ -5,7 +5,7 @@
 size). From then on the hook stops global gradient synchronisation: each bucket is averaged only within
 ``subgroup`` (by default the ranks of one machine), or not at all when ``post_local_gradient_allreduce`` is
 false, so the replicas drift apart. A model averager run after ``optimizer.step()``
-(:class:`gradcomm.ddp.averagers.PeriodicModelAverager`, with ``warmup_steps`` equal to ``start_localSGD_iter``)
+(:class:`gradcomm.hooks.averagers.PeriodicModelAverager`, with ``warmup_steps`` equal to ``start_localSGD_iter``)
 pulls them back together by averaging the parameters globally every ``period`` steps.
 
 Trade-offs:

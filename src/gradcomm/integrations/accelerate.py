@@ -64,7 +64,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a test that hides 
         f"(or pip install accelerate); importing it failed: {exc}"
     ) from exc
 
-from gradcomm.ddp.checkpoint import from_every_rank
+from gradcomm.checkpoint import from_every_rank
 from gradcomm.hooks.registry import check_options, get_hook, make_comm_hook, resolve_hook_name
 
 __all__ = ["GradcommAccelerator", "GradcommKwargs", "HookStateCheckpoint"]

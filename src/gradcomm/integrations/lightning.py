@@ -82,8 +82,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_post_local_sgd
 
 import gradcomm
+from gradcomm.checkpoint import CheckpointError
 from gradcomm.comm.faults import reporting_lost_peers
-from gradcomm.ddp.checkpoint import CheckpointError
 from gradcomm.hooks import post_localSGD_hook as gradcomm_post_local_sgd
 from gradcomm.hooks.contract import replicas_may_differ
 from gradcomm.hooks.registry import check_options, make_comm_hook, resolve_hook_name, wrapper_names

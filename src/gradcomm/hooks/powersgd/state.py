@@ -85,7 +85,7 @@ class PowerSGDState(HookState):
     bucket order) and is saved with the rest. gradcomm's DDP adopts it before the first iteration of a
     resumed run where its own buckets would have come out the same after its rebuild, so that a state resumed
     through ``torch.save`` reduces in the buckets it was made in from the first step, as
-    :func:`gradcomm.ddp.checkpoint.load_checkpoint` arranges: batched PowerSGD's per-bucket ``Q``, and from
+    :func:`gradcomm.checkpoint.load_checkpoint` arranges: batched PowerSGD's per-bucket ``Q``, and from
     three ranks on any sum, depend on the buckets. torch's DDP cannot adopt a layout.
     """
 

@@ -1,7 +1,7 @@
 """The on-disk layout of a checkpoint folder: rank files, the manifest that commits them, durable writes.
 
 A folder holds ``rank<r>-<id>.pt`` per rank and ``manifest.json``, written last by rank 0: the commit (see
-:mod:`gradcomm.ddp.checkpoint` for the protocol). This module knows the names, reads and writes the manifest,
+:mod:`gradcomm.checkpoint` for the protocol). This module knows the names, reads and writes the manifest,
 writes files so that a crash leaves either the old or the new content, and removes superseded files.
 """
 

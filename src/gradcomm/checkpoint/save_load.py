@@ -52,8 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradcomm.comm.faults import reporting_lost_peers
-from gradcomm.ddp.checkpoint_layout import (
+from gradcomm.checkpoint.layout import (
     FORMAT,
     MANIFEST,
     CheckpointError,
@@ -66,6 +65,7 @@ from gradcomm.ddp.checkpoint_layout import (
     remove_superseded,
     write_durably,
 )
+from gradcomm.comm.faults import reporting_lost_peers
 
 __all__ = ["FORMAT", "MANIFEST", "CheckpointError", "from_every_rank", "load_checkpoint", "rank_file", "save_checkpoint"]
 

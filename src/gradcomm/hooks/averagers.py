@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from gradcomm import comm
+from gradcomm.comm.agreement import check_same_parameters
 from gradcomm.comm.faults import reporting_lost_peers
-from gradcomm.ddp.agreement import check_same_parameters
 from gradcomm.hooks.hook_state import HookState
 
 __all__ = ["ModelAverager", "PeriodicModelAverager", "average_parameters", "params_to_average"]
@@ -142,7 +142,7 @@ class PeriodicModelAverager(ModelAverager):
         """Average ``params`` (a model's parameters or an optimizer's param groups) if due; advance ``step``.
 
         Only parameters with a gradient are averaged, as in torch. With ``check_after_averaging`` all of
-        ``params`` are then compared across the group (:func:`~gradcomm.ddp.agreement.check_same_parameters`).
+        ``params`` are then compared across the group (:func:`~gradcomm.comm.agreement.check_same_parameters`).
         """
         if self.averages_at(self.step):
             given = _flatten(params)
