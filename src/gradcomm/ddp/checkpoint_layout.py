@@ -1,0 +1,5 @@
+"""Deprecated: moved to :mod:`gradcomm.checkpoint.layout`: importing this path warns and gives that module."""
+
+from gradcomm._moved import alias_moved_module
+
+alias_moved_module(__name__, "gradcomm.checkpoint.layout")
