@@ -300,11 +300,11 @@ def _resolved_hooks(*argv: str) -> dict[str, dict[str, str]]:
     """Label -> options of each hook as ``gradcomm bench ARGV`` would run it (nothing is started)."""
     import argparse
 
-    from gradcomm.bench import cli
+    from gradcomm.bench import options
 
     parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    config = cli._config(parser.parse_args(list(argv)), 4, "cpu")
+    options.add_arguments(parser)
+    config = options.bench_config(parser.parse_args(list(argv)), 4, "cpu")
     return {choice.label: choice.with_defaults(config.option_defaults) for choice in config.hooks}
 
 
