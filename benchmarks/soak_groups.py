@@ -24,12 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.test_group_lifecycle
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.engine.test_group_lifecycle
 
 from gradcomm.hooks.registry import hook_names
 from gradcomm.testing import run_on_ranks
 from gradcomm.testing.ranks import RankError
-from tests.test_group_lifecycle import TORCH_ALLREDUCE, TORCH_POWERSGD, _at_most, soak
+from tests.engine.test_group_lifecycle import TORCH_ALLREDUCE, TORCH_POWERSGD, _at_most, soak
 
 
 def _row(kind: str, hook: str, rounds: int) -> tuple[list[str], bool]:

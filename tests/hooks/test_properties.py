@@ -85,7 +85,14 @@ from gradcomm.hooks.registry import hook_names, make_comm_hook, resolve_hook_nam
 from gradcomm.testing import RankError, run_on_ranks
 from tests.ddp_kinds import DDP_KINDS, make_ddp
 from tests.helpers import TEST_BACKEND, TEST_DEVICE, world_sizes_to_test
-from tests.property_models import ModelSpec, ParamSpec, PropertyModel, batch, full_feature_spec, model_specs
+from tests.hooks.property_models import (
+    ModelSpec,
+    ParamSpec,
+    PropertyModel,
+    batch,
+    full_feature_spec,
+    model_specs,
+)
 
 # Gloo on CPU tensors unless GRADCOMM_TEST_DEVICE / _BACKEND / _WORLD_SIZES say otherwise (tests.helpers).
 DEVICE, BACKEND, WORLD_SIZES = TEST_DEVICE, TEST_BACKEND, world_sizes_to_test()

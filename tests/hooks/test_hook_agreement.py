@@ -218,7 +218,7 @@ def _issue_hook(rank: int, logged: list[int]):
 def test_the_issues_rank_closure_is_described_without_the_rank() -> None:
     described = [describe_hook(_issue_hook(rank, [])) for rank in (0, 1)]
     assert described[0] == described[1], described
-    assert described[0].startswith("tests.test_hook_agreement._issue_hook.<locals>.hook@"), described
+    assert described[0].startswith("tests.hooks.test_hook_agreement._issue_hook.<locals>.hook@"), described
 
 
 def test_code_that_differs_under_one_name_is_told_apart() -> None:
@@ -242,7 +242,8 @@ def test_cycles_depth_and_builtins() -> None:
     looped = CallableWrapper(None, 0, 0)
     looped.inner = looped
     text = describe_hook(looped)
-    assert text.startswith("tests.test_hook_agreement.CallableWrapper(inner=tests.test_hook_agreement.CallableWrapper@")
+    module = "tests.hooks.test_hook_agreement"
+    assert text.startswith(f"{module}.CallableWrapper(inner={module}.CallableWrapper@")
     deep = mean_hook
     for _ in range(50):
         deep = closure_over(deep, 1)

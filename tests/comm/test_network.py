@@ -47,7 +47,7 @@ from gradcomm.testing.network import (
 )
 
 NETWORK_INIT_PY = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
     "src",
     "gradcomm",
     "testing",
