@@ -1,6 +1,6 @@
 """Soak: make and drop a process group, a DDP and its hook 100 times per hook; nothing may abort or stay.
 
-The loop of ``tests/test_group_lifecycle.py`` (a new group, a DDP of a two-layer MLP with
+The loop of ``tests/engine/test_group_lifecycle.py`` (a new group, a DDP of a two-layer MLP with
 ``bucket_cap_mb=0.001``, the hook, 3 backward passes, ``destroy_process_group``, everything dropped), at full
 length: ``--rounds`` rounds per hook and DDP kind, each hook in its own pair of rank processes, so that one
 that aborts a rank shows as such without hiding the others. On gradcomm's DDP the cyclic collector is off

@@ -32,7 +32,7 @@ from gradcomm.hooks.parameter_keys import name_parameters
 from gradcomm.testing import run_on_ranks
 from tests.helpers import TEST_BACKEND, TEST_DEVICE, world_sizes_to_test
 
-pytestmark = pytest.mark.slow  # every case on 2 and 3 ranks; tests/test_reducer_cases.py is the fast comparison
+pytestmark = pytest.mark.slow  # every case on 2 and 3 ranks; tests/engine/test_reducer_regressions.py is the fast comparison
 
 STEPS = 5
 TOLERANCE = 0.0  # bit for bit: the same bucket layouts as torch's, so the same sums in the same order

@@ -1,7 +1,7 @@
 """The five ways replicas once diverged silently, each as a check that failed before its fix.
 
 1. PowerSGD dropped 0-dim parameters from averaging.
-2. (a torn checkpoint: see ``test_checkpoint_atomic.py``)
+2. (a torn checkpoint: see ``tests/checkpoint/test_atomic_saves.py``)
 3. A hook whose future fails on one rank put the collectives out of step: the next bucket's collective
    paired with the peers' version of the failed one. Also a PowerSGD stage failing on one rank.
 4. A backward inside the DDP's forward (Lightning's manual optimization) was not synchronised.

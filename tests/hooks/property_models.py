@@ -1,4 +1,4 @@
-"""Random models for the property tests of the communication hooks (tests/test_properties.py).
+"""Random models for the property tests of the communication hooks (tests/hooks/test_properties.py).
 
 A model is described by a :class:`ModelSpec`, plain data that hypothesis draws, prints and shrinks, and that
 every rank turns into the same :class:`PropertyModel`. Each parameter feeds its own branch, chosen by its

@@ -56,7 +56,7 @@ def _flat(model: nn.Module) -> torch.Tensor:
 def _switching(kind: str) -> dict[str, Any]:
     """A fast link for the trial, then a slow link, then a high-latency one; parameters after each phase.
 
-    (The real measurement runs in tests/test_registry.py's training case for ``auto``, on 2 and 3 ranks.)
+    (The real measurement runs in tests/hooks/test_registry.py's training case for ``auto``, on 2 and 3 ranks.)
     """
     torch.set_num_threads(1)
     model = _model()

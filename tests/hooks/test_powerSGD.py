@@ -17,7 +17,7 @@ orthonormalization, refusals that happen before any communication, and the order
 
 Checkpointed runs here use ``find_unused_parameters=True``: with it neither DDP rebuilds its buckets after
 the first iteration of a process, so the resumed run has the saved layout. Resuming through a rebuild (the
-state is keyed by parameter) is tested in tests/test_state_resume.py.
+state is keyed by parameter) is tested in tests/checkpoint/test_hook_state_resume.py.
 
 torch 2.13's ``batched_powerSGD_hook`` fails (its 2-D Q reaches an orthogonalizer that asserts a 3-D batch),
 so ours is compared with it after :func:`_patch_torch_orthogonalize` lets it through.

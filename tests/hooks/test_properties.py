@@ -1,7 +1,7 @@
 """Property: every registered communication hook trains random models correctly on 2 and 3 gloo ranks.
 
 For every hook in the registry (``hook_names()``: a new hook is covered without touching this file) and
-random models from :mod:`tests.property_models` (0-dim scalars used multiplicatively, ``[1]``, ``[1, n]``,
+random models from :mod:`tests.hooks.property_models` (0-dim scalars used multiplicatively, ``[1]``, ``[1, n]``,
 ``[n, 1]``, empty parameters, 3-D and 4-D convolution kernels, transposed and channels-last layouts, float64
 beside float32, frozen and tied
 parameters, a matrix larger than the bucket cap, gradients with a zero column, row or everywhere),
@@ -746,14 +746,14 @@ def test_every_hook_is_classified() -> None:
     for hook in hook_names():
         homes = [table for table, entries in tables.items() if hook in entries]
         assert homes, (
-            f"hook {hook!r} is in the registry but not classified in tests/test_properties.py: add it to "
+            f"hook {hook!r} is in the registry but not classified in tests/hooks/test_properties.py: add it to "
             "MEAN_TOLERANCE (returns the mean), WARMUP_OPTION (exact, then lossy), LOSSY (identical replicas "
             "only) or DIVERGING (replicas drift on purpose, with the reason); until then it is checked for "
             "identical replicas and finite values only"
         )
         assert len(homes) == 1, f"hook {hook!r} is classified twice: {homes}"
     stale = {hook for table in (*tables.values(), FIXED_OPTIONS) for hook in table} - set(hook_names())
-    assert not stale, f"tests/test_properties.py classifies hooks the registry no longer has: {sorted(stale)}"
+    assert not stale, f"tests/hooks/test_properties.py classifies hooks the registry no longer has: {sorted(stale)}"
 
 
 def test_required_and_warmup_options_are_set() -> None:
@@ -762,7 +762,7 @@ def test_required_and_warmup_options_are_set() -> None:
         spec = resolve_hook_name(hook).value
         needed = [o.name for o in spec.options if o.required or o.name.startswith("start_")]
         unset = [name for name in needed if name not in FIXED_OPTIONS.get(hook, {})]
-        assert not unset, f"hook {hook!r}: set {unset} in FIXED_OPTIONS of tests/test_properties.py"
+        assert not unset, f"hook {hook!r}: set {unset} in FIXED_OPTIONS of tests/hooks/test_properties.py"
         if "min_numel" in spec.option_names:
             assert FIXED_OPTIONS[hook]["min_numel"] == 1, f"hook {hook!r}: compress every tensor (min_numel=1)"
 

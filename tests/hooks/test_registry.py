@@ -66,7 +66,7 @@ TRAIN_CASES = {
     "noop": ("noop", {}, None),
     "allgather": ("allgather", {}, None),
     "post_localsgd": ("post_localsgd", {"start_localSGD_iter": "1"}, None),
-    # one rank per node, so that the inner hook runs (nodes of several ranks: tests/test_hierarchical_hook.py)
+    # one rank per node, so that the inner hook runs (nodes of several ranks: tests/hooks/test_hierarchical_hook.py)
     "hierarchical": ("hierarchical", {"inner": "powersgd", "ranks_per_node": "1", "start_powerSGD_iter": "2"}, None),
     "auto": ("auto", {"trial_steps": "1", "candidates": "allreduce+fp16_compress"}, None),
     **{name: COMPRESSION_CASES.get(name, (name, {"min_numel": 16}, None)) for name in COMPRESSION_METHODS},
