@@ -21,7 +21,7 @@ from gradcomm.ddp.torch_compat import _REFUSED
 from gradcomm.hooks import default_hooks
 from gradcomm.hooks.compression_hook import CompressionState, compressed_allreduce_hook
 from gradcomm.testing import run_on_ranks
-from tests.helpers import error_text
+from tests.support.ranks import error_text
 
 
 def test_grad_bucket_set_buffer_needs_the_same_size() -> None:

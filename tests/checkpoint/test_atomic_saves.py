@@ -29,7 +29,8 @@ from gradcomm.ddp.checkpoint import (
     save_checkpoint,
 )
 from gradcomm.testing import RankError, run_on_ranks
-from tests.helpers import error_text, flat_parameters
+from tests.support.ranks import error_text
+from tests.support.training import flat_parameters
 
 
 def _replica(step: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -20,7 +20,7 @@ import gradcomm
 from gradcomm.ddp.checkpoint import load_checkpoint, save_checkpoint
 from gradcomm.hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from gradcomm.testing import run_on_ranks
-from tests.helpers import HeadFirst
+from tests.support.models import HeadFirst
 
 STEPS, STOP = 8, 4
 

@@ -17,8 +17,8 @@ from gradcomm.ddp.averagers import PeriodicModelAverager
 from gradcomm.ddp.checkpoint import MANIFEST, load_checkpoint, rank_file, save_checkpoint
 from gradcomm.hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from gradcomm.testing import run_on_ranks
-from tests.ddp_kinds import DDP_KINDS, make_ddp
-from tests.helpers import flat_parameters
+from tests.support.ranks import DDP_KINDS, make_ddp
+from tests.support.training import flat_parameters
 
 SUBGROUPS = {2: [[0], [1]], 3: [[0, 1], [2]]}
 # One world size per DDP kind, to spare the two shared cores; both sizes are covered.

@@ -38,8 +38,8 @@ from gradcomm.hooks.compression_hook import CompressionState, compressed_allredu
 from gradcomm.hooks.parameter_keys import name_parameters
 from gradcomm.hooks.powerSGD_hook import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from gradcomm.testing import run_on_ranks
-from tests.ddp_kinds import make_ddp
-from tests.helpers import TEST_DEVICE, HeadFirst
+from tests.support.models import HeadFirst
+from tests.support.ranks import TEST_DEVICE, make_ddp
 
 STEPS, STOP = 9, 5
 CAP_MB = 0.004

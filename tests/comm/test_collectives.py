@@ -23,7 +23,7 @@ from gradcomm import comm
 from gradcomm.comm import collectives
 from gradcomm.hooks.registry import make_comm_hook
 from gradcomm.testing import run_on_ranks
-from tests.helpers import counting_point_to_point
+from tests.support.ranks import counting_point_to_point
 
 pytestmark = pytest.mark.slow  # a 2-rank group that waits for gloo's timeout, and a 3-rank one
 

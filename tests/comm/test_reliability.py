@@ -38,7 +38,7 @@ from gradcomm.hooks import allgather_hooks, default_hooks, powerSGD_hook
 from gradcomm.hooks.grad_bucket import GradBucket
 from gradcomm.hooks.registry import hook_names, make_comm_hook
 from gradcomm.testing import RankError, run_on_ranks
-from tests.helpers import counting_point_to_point, error_text
+from tests.support.ranks import counting_point_to_point, error_text
 
 FAULT_TIMEOUT = 3.0  # seconds: the timeout of the subgroup each fault runs on
 

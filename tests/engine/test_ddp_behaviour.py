@@ -20,7 +20,7 @@ from torch import nn
 import gradcomm
 from gradcomm.ddp.bucketing import assign_buckets, bucket_size_limits, initial_buckets
 from gradcomm.testing import run_on_ranks
-from tests.helpers import error_text
+from tests.support.ranks import error_text
 
 
 def _mlp() -> nn.Module:

@@ -16,7 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import gradcomm
 from gradcomm.ddp.torch_compat import UnsupportedArgumentError, UnsupportedTorchMethodError
 from gradcomm.testing import run_on_ranks
-from tests.helpers import error_text, flat_parameters
+from tests.support.ranks import error_text
+from tests.support.training import flat_parameters
 
 
 class WithUnused(nn.Module):

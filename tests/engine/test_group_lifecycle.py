@@ -44,7 +44,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from gradcomm.hooks.registry import hook_names, register_comm_hook_by_name
 from gradcomm.testing import run_on_ranks
-from tests.ddp_kinds import DDP_KINDS, make_ddp
+from tests.support.ranks import DDP_KINDS, make_ddp
 
 ROUNDS = 1
 POWERSGD_ROUNDS = 20

@@ -32,7 +32,7 @@ from gradcomm.hooks.debugging_hooks import noop_hook
 from gradcomm.hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from gradcomm.hooks.powersgd import kernel as powersgd_kernel
 from gradcomm.testing import run_on_ranks
-from tests.helpers import error_text
+from tests.support.ranks import error_text
 
 pytestmark = pytest.mark.slow  # every test reads one spawned group's results
 

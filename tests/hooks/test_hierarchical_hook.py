@@ -30,8 +30,8 @@ from gradcomm.hooks.hierarchical_hook import HierarchicalState, hierarchical_hoo
 from gradcomm.hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from gradcomm.hooks.registry import check_options, make_comm_hook, register_comm_hook_by_name
 from gradcomm.testing import run_on_ranks
-from tests.ddp_kinds import DDP_KINDS, make_ddp
-from tests.helpers import error_text, flat_parameters
+from tests.support.ranks import DDP_KINDS, error_text, make_ddp
+from tests.support.training import flat_parameters
 
 STEPS = 5
 POWERSGD = {"inner": "powersgd", "matrix_approximation_rank": "1", "start_powerSGD_iter": "2", "ranks_per_node": "2"}

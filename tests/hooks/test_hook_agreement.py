@@ -39,7 +39,7 @@ from gradcomm.hooks.contract import replicas_may_differ
 from gradcomm.hooks.debugging_hooks import noop_hook
 from gradcomm.hooks.post_localSGD_hook import post_localSGD_hook
 from gradcomm.testing import run_on_ranks
-from tests.helpers import error_text
+from tests.support.ranks import error_text
 
 
 # -- leaves: hooks whose code decides the collectives -------------------------------------------------------

@@ -35,7 +35,7 @@ from gradcomm import comm
 from gradcomm.hooks import allgather_hooks, debugging_hooks, default_hooks, quantization_hooks
 from gradcomm.hooks.grad_bucket import GradBucket
 from gradcomm.testing import run_on_ranks
-from tests.ddp_kinds import DDP_KINDS, make_ddp
+from tests.support.ranks import DDP_KINDS, make_ddp
 
 STEPS = 3
 BUCKET_CAP_MB = 0.004  # about 1000 float32: after DDP's first-iteration rebuild the MLP spans several buckets

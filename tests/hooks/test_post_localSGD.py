@@ -20,8 +20,8 @@ from gradcomm import comm
 from gradcomm.ddp.averagers import PeriodicModelAverager
 from gradcomm.hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from gradcomm.testing import run_on_ranks
-from tests.ddp_kinds import DDP_KINDS, make_ddp
-from tests.helpers import flat_parameters
+from tests.support.ranks import DDP_KINDS, make_ddp
+from tests.support.training import flat_parameters
 
 START = 3
 PERIOD = 2

@@ -37,7 +37,7 @@ with checks (a) and (b) meanwhile).
 Each hook runs three explicit examples per world size (every model feature at once on gradcomm's DDP, with a
 0.0001 MB bucket cap, one parameter per bucket, and with 0.01 MB, several per bucket; and a bucket with no
 elements; each with the hook wrapped one of the three per-rank ways) and ``EXAMPLES`` generated ones. With ``GRADCOMM_TEST_DEVICE=cuda`` (and ``_BACKEND``,
-``_WORLD_SIZES``: :mod:`tests.helpers`) the same runs on CUDA tensors; ``benchmarks/gpu_checks.sh`` does that
+``_WORLD_SIZES``: :mod:`tests.support.ranks`) the same runs on CUDA tensors; ``benchmarks/gpu_checks.sh`` does that
 on a machine with a GPU.
 
 Speed and determinism: one group of ranks is spawned per world size; inside it every rank runs the same
@@ -83,8 +83,6 @@ import gradcomm
 from gradcomm.compression.registry import method_options, methods
 from gradcomm.hooks.registry import hook_names, make_comm_hook, resolve_hook_name
 from gradcomm.testing import RankError, run_on_ranks
-from tests.ddp_kinds import DDP_KINDS, make_ddp
-from tests.helpers import TEST_BACKEND, TEST_DEVICE, world_sizes_to_test
 from tests.hooks.property_models import (
     ModelSpec,
     ParamSpec,
@@ -93,8 +91,9 @@ from tests.hooks.property_models import (
     full_feature_spec,
     model_specs,
 )
+from tests.support.ranks import DDP_KINDS, TEST_BACKEND, TEST_DEVICE, make_ddp, world_sizes_to_test
 
-# Gloo on CPU tensors unless GRADCOMM_TEST_DEVICE / _BACKEND / _WORLD_SIZES say otherwise (tests.helpers).
+# Gloo on CPU tensors unless GRADCOMM_TEST_DEVICE / _BACKEND / _WORLD_SIZES say otherwise (support.ranks).
 DEVICE, BACKEND, WORLD_SIZES = TEST_DEVICE, TEST_BACKEND, world_sizes_to_test()
 PROPERTY_DDP_KINDS = (*DDP_KINDS, "legacy")  # torch's, gradcomm's, gradcomm's legacy (see _make_ddp)
 # gradient_as_bucket_view per DDP: gradcomm's also takes None (its default); torch's a bool; the legacy DDP

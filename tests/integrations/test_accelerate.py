@@ -33,7 +33,9 @@ from torch import nn
 import gradcomm
 from gradcomm.hooks import default_hooks
 from gradcomm.testing import run_on_ranks
-from tests.helpers import HeadFirst, error_text, flat_parameters
+from tests.support.models import HeadFirst
+from tests.support.ranks import error_text
+from tests.support.training import flat_parameters
 
 pytest.importorskip("accelerate")
 

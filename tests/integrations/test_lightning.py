@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from gradcomm.testing import run_on_ranks
-from tests.helpers import error_text, flat_parameters
+from tests.support.ranks import error_text
+from tests.support.training import flat_parameters
 
 pl = pytest.importorskip("lightning.pytorch")
 
