@@ -17,6 +17,7 @@ from gradcomm.ddp.averagers import PeriodicModelAverager
 from gradcomm.ddp.checkpoint import MANIFEST, load_checkpoint, rank_file, save_checkpoint
 from gradcomm.hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from gradcomm.testing import run_on_ranks
+from tests.support.models import mlp
 from tests.support.ranks import DDP_KINDS, make_ddp
 from tests.support.training import flat_parameters
 
@@ -30,8 +31,7 @@ STEPS = 8
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+    return mlp(6, 12, 3)
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

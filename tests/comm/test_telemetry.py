@@ -19,6 +19,7 @@ from gradcomm.hooks import allgather_hooks, debugging_hooks, default_hooks
 from gradcomm.hooks.compression_hook import CompressionState, compressed_allreduce_hook
 from gradcomm.hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from gradcomm.testing import run_on_ranks
+from tests.support.models import mlp
 
 # Linear(10, 20) + Linear(20, 5): 220 + 105 = 325 float32 parameters, one bucket of 1300 bytes.
 DENSE_BYTES = 325 * 4
@@ -27,8 +28,7 @@ BYTEGRAD_DENSE = 64 * 64 * 4
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(10, 20), nn.Tanh(), nn.Linear(20, 5))
+    return mlp(10, 20, 5)
 
 
 def _train(ddp: Any, steps: int, legacy: bool = False) -> None:

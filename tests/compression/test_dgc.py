@@ -18,6 +18,7 @@ from gradcomm.compression.communicators import compensated_compress
 from gradcomm.hooks.compression_hook import CompressionState
 from gradcomm.hooks.registry import check_options, register_comm_hook_by_name
 from gradcomm.testing import run_on_ranks
+from tests.support.models import mlp
 
 
 def _gradients(shape: tuple[int, ...], steps: int, seed: int = 0, dtype=torch.float64) -> list[torch.Tensor]:
@@ -269,8 +270,7 @@ STEPS, CHECKPOINT_AT = 30, 15
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5))
+    return mlp(20, 64, 5, activation=torch.nn.ReLU)
 
 
 def _batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ from torch import nn
 import gradcomm
 from gradcomm.ddp.bucketing import assign_buckets, bucket_size_limits, initial_buckets
 from gradcomm.testing import run_on_ranks
+from tests.support.models import WithUnused
 from tests.support.ranks import error_text
 
 
@@ -145,16 +146,6 @@ class ReverseUse(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.late(torch.relu(self.early(x)))
-
-
-class WithUnused(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.used = nn.Linear(8, 4)
-        self.unused = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.used(x)
 
 
 # -- the rank function -----------------------------------------------------------------------------------

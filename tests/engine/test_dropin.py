@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import gradcomm
 from gradcomm.ddp.torch_compat import UnsupportedArgumentError, UnsupportedTorchMethodError
 from gradcomm.testing import run_on_ranks
+from tests.support.models import mlp
 from tests.support.ranks import error_text
 from tests.support.training import flat_parameters
 
@@ -32,8 +33,7 @@ class WithUnused(nn.Module):
 
 
 def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    return mlp(6, 8, 2)
 
 
 def _batch(step: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ from gradcomm.hooks.hierarchical_hook import HierarchicalState, hierarchical_hoo
 from gradcomm.hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from gradcomm.hooks.registry import check_options, make_comm_hook, register_comm_hook_by_name
 from gradcomm.testing import run_on_ranks
+from tests.support.models import mlp
 from tests.support.ranks import DDP_KINDS, error_text, make_ddp
 from tests.support.training import flat_parameters
 
@@ -40,8 +41,7 @@ RTOL, ATOL = 1e-6, 1e-8
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 4))
+    return mlp(8, 32, 16, 4)
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

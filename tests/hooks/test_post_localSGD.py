@@ -20,6 +20,7 @@ from gradcomm import comm
 from gradcomm.ddp.averagers import PeriodicModelAverager
 from gradcomm.hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from gradcomm.testing import run_on_ranks
+from tests.support.models import mlp
 from tests.support.ranks import DDP_KINDS, make_ddp
 from tests.support.training import flat_parameters
 
@@ -33,8 +34,7 @@ SEVERAL_BUCKETS = dict(bucket_cap_mb=0.0002, find_unused_parameters=True)
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+    return mlp(6, 12, 3)
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
