@@ -20,13 +20,12 @@ from torch import nn
 import gradcomm
 from gradcomm.ddp.bucketing import assign_buckets, bucket_size_limits, initial_buckets
 from gradcomm.testing import run_on_ranks
-from tests.support.models import WithUnused
+from tests.support.models import WithUnused, mlp
 from tests.support.ranks import error_text
 
 
 def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
+    return mlp(8, 32, 16, 4, activation=nn.ReLU)
 
 
 def _batch(step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ from torch import nn
 
 import gradcomm
 from gradcomm.testing import run_on_ranks
+from tests.support.models import mlp
 
 pytestmark = pytest.mark.slow  # every test reads one spawned comparison with torch's DDP
 
@@ -38,8 +39,7 @@ class ConvNet(nn.Module):
 
 
 def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    return mlp(6, 8, 8, 3, activation=nn.ReLU)
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

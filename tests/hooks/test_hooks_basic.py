@@ -35,6 +35,7 @@ from gradcomm import comm
 from gradcomm.hooks import allgather_hooks, debugging_hooks, default_hooks, quantization_hooks
 from gradcomm.hooks.grad_bucket import GradBucket
 from gradcomm.testing import run_on_ranks
+from tests.support.models import mlp
 from tests.support.ranks import DDP_KINDS, make_ddp
 
 STEPS = 3
@@ -117,8 +118,7 @@ QUANTIZED = ["quantization per tensor", "quantization per channel", "quantizatio
 
 
 def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 4))  # 3300
+    return mlp(16, 64, 32, 4)  # 3300
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

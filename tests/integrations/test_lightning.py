@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradcomm.testing import run_on_ranks
+from tests.support.models import mlp
 from tests.support.ranks import error_text
 from tests.support.training import flat_parameters
 
@@ -37,8 +38,7 @@ def _data(seed: int = 0) -> torch.utils.data.DataLoader:
 
 
 def _net(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    return mlp(8, 16, 4, seed=seed)
 
 
 class Regression(pl.LightningModule):
