@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import gradcomm
 from gradcomm.ddp.checkpoint import load_checkpoint, save_checkpoint
 from gradcomm.hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from gradcomm.testing import run_on_ranks
 from tests.support.models import HeadFirst
+from tests.support.training import random_batch, train_step
 
 STEPS, STOP = 8, 4
 
@@ -36,15 +36,7 @@ def _setup() -> tuple[Any, torch.optim.Optimizer, PowerSGDState]:
 
 
 def _steps(ddp: Any, optimizer: torch.optim.Optimizer, steps: range) -> list[float]:
-    losses = []
-    for step in steps:
-        g = torch.Generator().manual_seed(100 * dist.get_rank() + step)
-        loss = nn.functional.mse_loss(ddp(torch.randn(8, 16, generator=g)), torch.randn(8, 4, generator=g))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return [train_step(ddp, optimizer, *random_batch(100 * dist.get_rank() + step, 8, 16, 4)) for step in steps]
 
 
 def _params(ddp: Any) -> np.ndarray:

@@ -19,7 +19,7 @@ from gradcomm.hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_h
 from gradcomm.testing import run_on_ranks
 from tests.support.models import mlp
 from tests.support.ranks import DDP_KINDS, make_ddp
-from tests.support.training import flat_parameters
+from tests.support.training import flat_parameters, random_batch, train_step
 
 SUBGROUPS = {2: [[0], [1]], 3: [[0, 1], [2]]}
 # One world size per DDP kind, to spare the two shared cores; both sizes are covered.
@@ -32,11 +32,6 @@ STEPS = 8
 
 def _model() -> torch.nn.Module:
     return mlp(6, 12, 3)
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(8, 6, generator=generator), torch.randn(8, 3, generator=generator)
 
 
 
@@ -55,13 +50,8 @@ def _segment(kind: str, subgroup, first: int, last: int, save: str | None = None
         assert state.subgroup is subgroup, "loading must keep the subgroup of the live state"
     losses = []
     for step in range(first, last):
-        x, y = _batch(rank, step)
-        loss = torch.nn.functional.mse_loss(ddp(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        losses.append(train_step(ddp, optimizer, *random_batch(1000 * rank + step, 8, 6, 3)))
         averager.average_parameters(ddp.parameters())
-        losses.append(loss.item())
     if save is not None:
         save_checkpoint(save, ddp, optimizer, state, averager=averager.state_dict(), step=last)
     return {"losses": losses, "params": flat_parameters(ddp), "iter": state.iter, "averager_step": averager.step}

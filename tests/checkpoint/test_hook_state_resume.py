@@ -40,6 +40,7 @@ from gradcomm.hooks.powerSGD_hook import PowerSGDState, batched_powerSGD_hook, p
 from gradcomm.testing import run_on_ranks
 from tests.support.models import HeadFirst
 from tests.support.ranks import TEST_DEVICE, make_ddp
+from tests.support.training import random_batch, train_step
 
 STEPS, STOP = 9, 5
 CAP_MB = 0.004
@@ -68,13 +69,8 @@ def _setup(kind: str, method: str) -> tuple[nn.Module, Any, torch.optim.Optimize
 def _steps(ddp: Any, optimizer: torch.optim.Optimizer, steps: range, model: nn.Module) -> dict[str, Any]:
     losses, params = [], []
     for step in steps:
-        g = torch.Generator().manual_seed(100 * dist.get_rank() + step)
-        x, y = torch.randn(8, 16, generator=g).to(TEST_DEVICE), torch.randn(8, 4, generator=g).to(TEST_DEVICE)
-        loss = nn.functional.mse_loss(ddp(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+        x, y = (t.to(TEST_DEVICE) for t in random_batch(100 * dist.get_rank() + step, 8, 16, 4))
+        losses.append(train_step(ddp, optimizer, x, y))
         params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy().copy())
     return {"losses": losses, "params": params}
 

@@ -39,6 +39,7 @@ from gradcomm.hooks.grad_bucket import GradBucket
 from gradcomm.hooks.registry import hook_names, make_comm_hook
 from gradcomm.testing import RankError, run_on_ranks
 from tests.support.ranks import counting_point_to_point, error_text
+from tests.support.training import random_batch
 
 FAULT_TIMEOUT = 3.0  # seconds: the timeout of the subgroup each fault runs on
 
@@ -58,8 +59,7 @@ def _bn_model() -> nn.Module:
 
 
 def _batch(step: int, inputs: int = 8, outputs: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * dist.get_rank() + step)
-    return torch.randn(6, inputs, generator=g), torch.randn(6, outputs, generator=g)
+    return random_batch(1000 * dist.get_rank() + step, 6, inputs, outputs)
 
 
 def _train_step(ddp: nn.Module, step: int, optimizer: torch.optim.Optimizer | None = None, inputs: int = 8) -> None:

@@ -19,6 +19,7 @@ from gradcomm.hooks.compression_hook import CompressionState
 from gradcomm.hooks.registry import check_options, register_comm_hook_by_name
 from gradcomm.testing import run_on_ranks
 from tests.support.models import mlp
+from tests.support.training import linear_target_batch
 
 
 def _gradients(shape: tuple[int, ...], steps: int, seed: int = 0, dtype=torch.float64) -> list[torch.Tensor]:
@@ -273,13 +274,8 @@ def _model() -> torch.nn.Module:
     return mlp(20, 64, 5, activation=torch.nn.ReLU)
 
 
-def _batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.randn(16, 20, generator=generator)
-    return x, x[:, :5] - x[:, 5:10]
-
-
 def _held_out_loss(model: torch.nn.Module) -> float:
-    x, y = _batch(torch.Generator().manual_seed(7))
+    x, y = linear_target_batch(torch.Generator().manual_seed(7))
     with torch.no_grad():
         return F.mse_loss(model(x), y).item()
 
@@ -299,7 +295,7 @@ def _step(ddp, optimizer, batch) -> None:
 def _rank_train_and_resume() -> dict:
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(1000 + dist.get_rank())
-    batches = [_batch(generator) for _ in range(STEPS)]
+    batches = [linear_target_batch(generator) for _ in range(STEPS)]
     model = _model()
     ddp, state, optimizer = _ddp(model)
     held_out = [_held_out_loss(model)]

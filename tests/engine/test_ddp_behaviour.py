@@ -22,6 +22,7 @@ from gradcomm.ddp.bucketing import assign_buckets, bucket_size_limits, initial_b
 from gradcomm.testing import run_on_ranks
 from tests.support.models import WithUnused, mlp
 from tests.support.ranks import error_text
+from tests.support.training import random_batch
 
 
 def _mlp() -> nn.Module:
@@ -29,8 +30,7 @@ def _mlp() -> nn.Module:
 
 
 def _batch(step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 * dist.get_rank() + step)
-    return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+    return random_batch(100 * dist.get_rank() + step, 6, 8, 4)
 
 
 def _backward(ddp: nn.Module, step: int = 0) -> None:

@@ -33,6 +33,7 @@ from gradcomm.hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_h
 from gradcomm.hooks.powersgd import kernel as powersgd_kernel
 from gradcomm.testing import run_on_ranks
 from tests.support.ranks import error_text
+from tests.support.training import random_batch
 
 pytestmark = pytest.mark.slow  # every test reads one spawned group's results
 
@@ -45,8 +46,7 @@ def _fault_group() -> dist.ProcessGroup:
 
 
 def _batch(step: int, features: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * dist.get_rank() + step)
-    return torch.randn(6, features, generator=g), torch.randn(6, 1, generator=g)
+    return random_batch(1000 * dist.get_rank() + step, 6, features, 1)
 
 
 def _params(module: nn.Module) -> list[torch.Tensor]:

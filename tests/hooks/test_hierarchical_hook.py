@@ -32,7 +32,7 @@ from gradcomm.hooks.registry import check_options, make_comm_hook, register_comm
 from gradcomm.testing import run_on_ranks
 from tests.support.models import mlp
 from tests.support.ranks import DDP_KINDS, error_text, make_ddp
-from tests.support.training import flat_parameters
+from tests.support.training import flat_gradients, flat_parameters, random_batch
 
 STEPS = 5
 POWERSGD = {"inner": "powersgd", "matrix_approximation_rank": "1", "start_powerSGD_iter": "2", "ranks_per_node": "2"}
@@ -44,20 +44,15 @@ def _model() -> nn.Module:
     return mlp(8, 32, 16, 4)
 
 
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(100 * rank + step)
-    return torch.randn(16, 8, generator=generator), torch.randn(16, 4, generator=generator)
-
-
 def _train(ddp: nn.Module, steps: range, grads: list | None = None) -> np.ndarray:
     """Plain SGD (no optimizer state), so a module's parameters are all a resumed run needs."""
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for step in steps:
-        x, y = _batch(dist.get_rank(), step)
+        x, y = random_batch(100 * dist.get_rank() + step, 16, 8, 4)
         optimizer.zero_grad()
         nn.functional.mse_loss(ddp(x), y).backward()
         if grads is not None:
-            grads.append(torch.cat([p.grad.reshape(-1) for p in ddp.parameters()]).numpy().copy())
+            grads.append(flat_gradients(ddp))
         optimizer.step()
     return flat_parameters(ddp)
 

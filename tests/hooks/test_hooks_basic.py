@@ -37,6 +37,7 @@ from gradcomm.hooks.grad_bucket import GradBucket
 from gradcomm.testing import run_on_ranks
 from tests.support.models import mlp
 from tests.support.ranks import DDP_KINDS, make_ddp
+from tests.support.training import random_batch
 
 STEPS = 3
 BUCKET_CAP_MB = 0.004  # about 1000 float32: after DDP's first-iteration rebuild the MLP spans several buckets
@@ -121,11 +122,6 @@ def _mlp() -> nn.Module:
     return mlp(16, 64, 32, 4)  # 3300
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1000 * dist.get_rank() + step)
-    return torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
-
-
 def _flat(tensors: Any) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1) for t in tensors])
 
@@ -165,7 +161,7 @@ def _train(kind: str, case: Case, states: dict[str, Any], record: bool = True) -
     run = Run()
     comm.traffic.reset()
     for step in range(STEPS):
-        x, y = _batch(step)
+        x, y = random_batch(1000 * dist.get_rank() + step, 8, 16, 4)
         reference.load_state_dict(copy.deepcopy(model.state_dict()))
         reference.zero_grad()
         nn.functional.mse_loss(reference(x), y).backward()

@@ -22,7 +22,7 @@ from gradcomm.hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_h
 from gradcomm.testing import run_on_ranks
 from tests.support.models import mlp
 from tests.support.ranks import DDP_KINDS, make_ddp
-from tests.support.training import flat_parameters
+from tests.support.training import flat_parameters, random_batch, train_step
 
 START = 3
 PERIOD = 2
@@ -38,8 +38,7 @@ def _model() -> torch.nn.Module:
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(8, 6, generator=generator), torch.randn(8, 3, generator=generator)
+    return random_batch(1000 * rank + step, 8, 6, 3)
 
 
 
@@ -63,13 +62,9 @@ def _train(kind, hook, state, averager, **ddp_kwargs) -> dict:
     for step in range(STEPS):
         before = comm.traffic.calls.get("all_reduce", 0)
         buckets.append(0)
-        x, y = _batch(rank, step)
-        loss = torch.nn.functional.mse_loss(ddp(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        loss = train_step(ddp, optimizer, *_batch(rank, step))
         averager.average_parameters(ddp.parameters())
-        out["losses"].append(loss.item())
+        out["losses"].append(loss)
         out["params"].append(flat_parameters(ddp))
         out["all_reduce_calls"].append(comm.traffic.calls.get("all_reduce", 0) - before)
         out["iter"].append(state.iter)

@@ -35,7 +35,7 @@ from gradcomm.hooks import default_hooks
 from gradcomm.testing import run_on_ranks
 from tests.support.models import HeadFirst
 from tests.support.ranks import error_text
-from tests.support.training import flat_parameters
+from tests.support.training import flat_gradients, flat_parameters, random_batch
 
 pytest.importorskip("accelerate")
 
@@ -71,12 +71,7 @@ def _model() -> nn.Module:
 
 
 def _batch(rank: int, step: int, size: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(size, 8, generator=g), torch.randn(size, 4, generator=g)
-
-
-def _grads(model: nn.Module) -> np.ndarray:
-    return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy().copy()
+    return random_batch(1000 * rank + step, size, 8, 4)
 
 
 def _accelerator(kind: str, hook: Any = None, accumulation: int = 1, **options: Any) -> GradcommAccelerator:
@@ -92,7 +87,7 @@ def _train(model: nn.Module, optimizer: Any, backward: Any, steps: int) -> list[
         x, y = _batch(dist.get_rank(), step)
         optimizer.zero_grad()
         backward(nn.functional.mse_loss(model(x), y))
-        grads.append(_grads(model))
+        grads.append(flat_gradients(model))
         optimizer.step()
     return grads
 
@@ -111,7 +106,7 @@ def _exact_first_gradient() -> np.ndarray:
     model = _model()
     xs, ys = zip(*(_batch(rank, 0) for rank in range(dist.get_world_size())), strict=True)
     nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
-    return _grads(model)
+    return flat_gradients(model)
 
 
 def _hooks_train(kind: str) -> dict[str, Any]:
@@ -153,7 +148,7 @@ def _accumulate(kind: str) -> dict[str, Any]:
             accelerator.backward(nn.functional.mse_loss(model(x), y))
             calls.append(HOOK_CALLS[0])
             if accelerator.sync_gradients:
-                synced.append(_grads(model))
+                synced.append(flat_gradients(model))
             optimizer.step()
             optimizer.zero_grad()
     reference = _model()
@@ -165,7 +160,7 @@ def _accumulate(kind: str) -> dict[str, Any]:
         )
         ref_opt.zero_grad()
         nn.functional.mse_loss(reference(torch.cat(xs)), torch.cat(ys)).backward()
-        expected.append(_grads(reference))
+        expected.append(flat_gradients(reference))
         ref_opt.step()
     return {
         "calls": calls,
