@@ -26,7 +26,7 @@ from gradcomm.compression.registry import methods
 from gradcomm.hooks import compression_hook
 from gradcomm.hooks.compression_hook import CompressionState, compressed_allreduce_hook
 from gradcomm.testing import run_on_ranks
-from tests.ddp_kinds import DDP_KINDS, make_ddp
+from tests.support.ranks import DDP_KINDS, make_ddp
 
 # Every registered method, with its default options: a new method is covered without an edit here.
 METHODS = methods()

@@ -19,7 +19,7 @@ from gradcomm.ddp.checkpoint import load_checkpoint, save_checkpoint
 from gradcomm.diloco import DiLoCo
 from gradcomm.hooks.registry import make_comm_hook
 from gradcomm.testing import run_on_ranks
-from tests.helpers import error_text
+from tests.support.ranks import error_text
 
 H = 4
 STEPS = 13

@@ -27,7 +27,7 @@ from gradcomm.diloco import DiLoCo
 from gradcomm.hooks import default_hooks
 from gradcomm.testing import RankError, run_on_ranks
 from tests.diloco.test_diloco import _backward, _inner, _model, _same_on_every_rank, _train
-from tests.helpers import error_text
+from tests.support.ranks import error_text
 
 FAULT_TIMEOUT = 5
 

@@ -10,7 +10,7 @@ from gradcomm.diloco import DiLoCo
 from gradcomm.diloco.fragments import split_into_fragments
 from gradcomm.diloco.state import compressor_hook
 from gradcomm.testing import run_on_ranks
-from tests.helpers import error_text
+from tests.support.ranks import error_text
 
 
 def _named(*sizes: int) -> list[tuple[str, torch.nn.Parameter]]:

@@ -3,7 +3,7 @@
 Each case trains a torch-DDP replica and a gradcomm-DDP replica side by side for five steps, comparing the
 gradients after every backward and the parameters after every optimizer step: bit for bit, on 2 and 3 ranks.
 All cases of one world size share one spawned process group. On CPU tensors over gloo unless
-``GRADCOMM_TEST_DEVICE`` / ``_BACKEND`` / ``_WORLD_SIZES`` say otherwise (:mod:`tests.helpers`).
+``GRADCOMM_TEST_DEVICE`` / ``_BACKEND`` / ``_WORLD_SIZES`` say otherwise (:mod:`tests.support.ranks`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from gradcomm.compression.registry import methods
 from gradcomm.hooks.compression_hook import CompressionState, compressed_allreduce_hook
 from gradcomm.hooks.parameter_keys import name_parameters
 from gradcomm.testing import run_on_ranks
-from tests.helpers import TEST_BACKEND, TEST_DEVICE, world_sizes_to_test
+from tests.support.ranks import TEST_BACKEND, TEST_DEVICE, world_sizes_to_test
 
 pytestmark = pytest.mark.slow  # every case on 2 and 3 ranks; tests/engine/test_reducer_regressions.py is the fast comparison
 

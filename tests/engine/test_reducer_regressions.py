@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 import gradcomm
 from gradcomm.testing import run_on_ranks
-from tests.helpers import error_text
+from tests.support.ranks import error_text
 
 
 class Checkpointed(nn.Module):

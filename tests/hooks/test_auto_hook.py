@@ -28,7 +28,7 @@ from gradcomm.hooks.registry import (
     register_comm_hook_by_name,
 )
 from gradcomm.testing import run_on_ranks
-from tests.ddp_kinds import make_ddp
+from tests.support.ranks import make_ddp
 
 CANDIDATES = "allreduce+fp16_compress+powersgd:matrix_approximation_rank=2,start_powerSGD_iter=2"
 SLOW = Link(latency=1e-4, bandwidth=1e3)  # bytes dominate: PowerSGD

@@ -51,7 +51,7 @@ from gradcomm.hooks.powerSGD_hook import (
     powerSGD_hook,
 )
 from gradcomm.testing import run_on_ranks
-from tests.ddp_kinds import DDP_KINDS, make_ddp
+from tests.support.ranks import DDP_KINDS, make_ddp
 
 KINDS = list(DDP_KINDS)
 TIMEOUT = 240

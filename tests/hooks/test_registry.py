@@ -28,8 +28,8 @@ from gradcomm.hooks.registry import (
     resolve_hook_name,
 )
 from gradcomm.testing import RankError, run_on_ranks
-from tests.ddp_kinds import DDP_KINDS, make_ddp
-from tests.helpers import flat_parameters
+from tests.support.ranks import DDP_KINDS, make_ddp
+from tests.support.training import flat_parameters
 
 TORCH_NAMES = {
     "ALLREDUCE": "allreduce",
