@@ -26,7 +26,9 @@ from gradcomm.compression.registry import methods
 from gradcomm.hooks import compression_hook
 from gradcomm.hooks.compression_hook import CompressionState, compressed_allreduce_hook
 from gradcomm.testing import run_on_ranks
+from tests.support.models import mlp
 from tests.support.ranks import DDP_KINDS, make_ddp
+from tests.support.training import linear_target_batch
 
 # Every registered method, with its default options: a new method is covered without an edit here.
 METHODS = methods()
@@ -57,33 +59,20 @@ SUMMED_RESUME_TOLERANCE = 1e-6
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(20, 64),
-        torch.nn.ReLU(),
-        torch.nn.Linear(64, 48),
-        torch.nn.ReLU(),
-        torch.nn.Linear(48, 5),
-    )
+    return mlp(20, 64, 48, 5, activation=torch.nn.ReLU)
 
 
 def _flat(model: torch.nn.Module) -> np.ndarray:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
 
 
-def _batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and a learnable target (a fixed linear map of the inputs)."""
-    x = torch.randn(16, 20, generator=generator)
-    return x, x[:, :5] - x[:, 5:10]
-
-
 def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1000 + dist.get_rank())
-    return [_batch(generator) for _ in range(steps)]
+    return [linear_target_batch(generator) for _ in range(steps)]
 
 
 def _held_out_loss(model: torch.nn.Module) -> float:
-    x, y = _batch(torch.Generator().manual_seed(7))
+    x, y = linear_target_batch(torch.Generator().manual_seed(7))
     with torch.no_grad():
         return F.mse_loss(model(x), y).item()
 

@@ -19,6 +19,7 @@ from gradcomm.ddp.checkpoint import load_checkpoint, save_checkpoint
 from gradcomm.diloco import DiLoCo
 from gradcomm.hooks.registry import make_comm_hook
 from gradcomm.testing import run_on_ranks
+from tests.support.models import mlp
 from tests.support.ranks import error_text
 
 H = 4
@@ -32,8 +33,7 @@ FRAGMENT_NAMES = {
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    return mlp(4, 8, 3)
 
 
 def _inner(model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -28,7 +28,9 @@ from gradcomm.hooks.registry import (
     register_comm_hook_by_name,
 )
 from gradcomm.testing import run_on_ranks
+from tests.support.models import mlp
 from tests.support.ranks import make_ddp
+from tests.support.training import random_batch, train_step
 
 CANDIDATES = "allreduce+fp16_compress+powersgd:matrix_approximation_rank=2,start_powerSGD_iter=2"
 SLOW = Link(latency=1e-4, bandwidth=1e3)  # bytes dominate: PowerSGD
@@ -37,16 +39,11 @@ FAST = Link(latency=0.0, bandwidth=1e12)  # nothing is cut from the trial, whate
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 96), nn.ReLU(), nn.Linear(96, 96), nn.ReLU(), nn.Linear(96, 4))
+    return mlp(32, 96, 96, 4, activation=nn.ReLU)
 
 
 def _step(ddp: Any, optimizer: torch.optim.Optimizer, step: int) -> None:
-    g = torch.Generator().manual_seed(100 * dist.get_rank() + step)
-    loss = nn.functional.mse_loss(ddp(torch.randn(16, 32, generator=g)), torch.randn(16, 4, generator=g))
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
+    train_step(ddp, optimizer, *random_batch(100 * dist.get_rank() + step, 16, 32, 4))
 
 
 def _flat(model: nn.Module) -> torch.Tensor:

@@ -28,6 +28,7 @@ from gradcomm.hooks.registry import (
     resolve_hook_name,
 )
 from gradcomm.testing import RankError, run_on_ranks
+from tests.support.models import mlp
 from tests.support.ranks import DDP_KINDS, make_ddp
 from tests.support.training import flat_parameters
 
@@ -77,8 +78,7 @@ STEPS = 3
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    return mlp(6, 16, 3)
 
 
 
