@@ -20,7 +20,7 @@ from gradcomm.ddp.checkpoint import load_checkpoint, save_checkpoint
 from gradcomm.hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from gradcomm.testing import run_on_ranks
 from tests.support.models import HeadFirst
-from tests.support.training import random_batch, train_step
+from tests.support.training import flat_parameters, random_batch, train_step
 
 STEPS, STOP = 8, 4
 
@@ -39,15 +39,11 @@ def _steps(ddp: Any, optimizer: torch.optim.Optimizer, steps: range) -> list[flo
     return [train_step(ddp, optimizer, *random_batch(100 * dist.get_rank() + step, 8, 16, 4)) for step in steps]
 
 
-def _params(ddp: Any) -> np.ndarray:
-    return torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]).numpy().copy()
-
-
 def uninterrupted_and_first_half(path: str) -> dict[str, Any]:
     ddp, optimizer, _ = _setup()
     initial_layout = ddp.reducer.bucket_parameter_names()
     losses = _steps(ddp, optimizer, range(STEPS))
-    full = {"losses": losses, "params": _params(ddp), "initial": initial_layout,
+    full = {"losses": losses, "params": flat_parameters(ddp), "initial": initial_layout,
             "rebuilt": ddp.reducer.bucket_parameter_names()}
     ddp, optimizer, state = _setup()
     _steps(ddp, optimizer, range(STOP))
@@ -59,7 +55,7 @@ def resumed(path: str) -> dict[str, Any]:
     ddp, optimizer, state = _setup()
     load_checkpoint(path, ddp, optimizer, state)
     layout = ddp.reducer.bucket_parameter_names()
-    return {"losses": _steps(ddp, optimizer, range(STOP, STEPS)), "params": _params(ddp), "layout": layout}
+    return {"losses": _steps(ddp, optimizer, range(STOP, STEPS)), "params": flat_parameters(ddp), "layout": layout}
 
 
 @pytest.mark.slow

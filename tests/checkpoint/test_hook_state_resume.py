@@ -40,7 +40,7 @@ from gradcomm.hooks.powerSGD_hook import PowerSGDState, batched_powerSGD_hook, p
 from gradcomm.testing import run_on_ranks
 from tests.support.models import HeadFirst
 from tests.support.ranks import TEST_DEVICE, make_ddp
-from tests.support.training import random_batch, train_step
+from tests.support.training import flat_parameters, random_batch, train_step
 
 STEPS, STOP = 9, 5
 CAP_MB = 0.004
@@ -71,7 +71,7 @@ def _steps(ddp: Any, optimizer: torch.optim.Optimizer, steps: range, model: nn.M
     for step in steps:
         x, y = (t.to(TEST_DEVICE) for t in random_batch(100 * dist.get_rank() + step, 8, 16, 4))
         losses.append(train_step(ddp, optimizer, x, y))
-        params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy().copy())
+        params.append(flat_parameters(model))
     return {"losses": losses, "params": params}
 
 

@@ -19,7 +19,7 @@ from gradcomm.hooks.compression_hook import CompressionState
 from gradcomm.hooks.registry import check_options, register_comm_hook_by_name
 from gradcomm.testing import run_on_ranks
 from tests.support.models import mlp
-from tests.support.training import linear_target_batch
+from tests.support.training import flat_parameters, linear_target_batch
 
 
 def _gradients(shape: tuple[int, ...], steps: int, seed: int = 0, dtype=torch.float64) -> list[torch.Tensor]:
@@ -315,8 +315,8 @@ def _rank_train_and_resume() -> dict:
     for batch in batches[CHECKPOINT_AT:]:
         _step(resumed_ddp, resumed_optimizer, batch)
 
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
-    resumed_flat = torch.cat([p.detach().reshape(-1) for p in resumed.parameters()]).numpy().copy()
+    flat = flat_parameters(model)
+    resumed_flat = flat_parameters(resumed)
     return {
         "params": flat,
         "held_out": held_out,

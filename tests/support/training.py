@@ -31,10 +31,11 @@ def train_step(ddp: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor
 
 
 def flat_parameters(module: nn.Module) -> np.ndarray:
-    """The parameters as one numpy array, a copy that survives the trip back from a rank process."""
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).numpy().copy()
+    """The parameters as one numpy array (from any device), a copy that survives the trip back from a rank
+    process."""
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu().numpy().copy()
 
 
 def flat_gradients(module: nn.Module) -> np.ndarray:
-    """The ``.grad`` of every parameter as one numpy array, a copy taken before the optimizer step changes them."""
-    return torch.cat([p.grad.reshape(-1) for p in module.parameters()]).numpy().copy()
+    """The ``.grad`` of every parameter as one numpy array (from any device), a copy that later steps leave alone."""
+    return torch.cat([p.grad.reshape(-1) for p in module.parameters()]).cpu().numpy().copy()
