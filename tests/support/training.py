@@ -37,5 +37,6 @@ def flat_parameters(module: nn.Module) -> np.ndarray:
 
 
 def flat_gradients(module: nn.Module) -> np.ndarray:
-    """The ``.grad`` of every parameter as one numpy array (from any device), a copy that later steps leave alone."""
+    """The ``.grad`` of every parameter as one numpy array (from any device), a copy that later steps leave
+    alone."""
     return torch.cat([p.grad.reshape(-1) for p in module.parameters()]).cpu().numpy().copy()
