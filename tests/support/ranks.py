@@ -10,9 +10,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# Where the suites that compare numbers (hooks/test_properties, engine/test_ddp_vs_torch) run. By default on
-# CPU tensors over gloo, as in CI. On a machine with a GPU, GRADCOMM_TEST_DEVICE=cuda runs them on CUDA tensors
-# (gloo's CUDA path, every rank on the current device); GRADCOMM_TEST_BACKEND=nccl with
+# Where the suites that compare numbers (hooks/test_properties, engine/test_ddp_vs_torch) run. By default
+# on CPU tensors over gloo, as in CI. On a machine with a GPU, GRADCOMM_TEST_DEVICE=cuda runs them on CUDA
+# tensors (gloo's CUDA path, every rank on the current device); GRADCOMM_TEST_BACKEND=nccl with
 # GRADCOMM_TEST_WORLD_SIZES=1 runs them on a one-rank NCCL group (NCCL needs a GPU per rank).
 TEST_DEVICE = torch.device(os.environ.get("GRADCOMM_TEST_DEVICE", "cpu"))
 TEST_BACKEND = os.environ.get("GRADCOMM_TEST_BACKEND", "gloo")

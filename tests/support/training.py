@@ -8,8 +8,8 @@ from torch import nn
 
 
 def random_batch(seed: int, rows: int, inputs: int, outputs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Standard normal inputs ``[rows, inputs]`` and targets ``[rows, outputs]`` drawn from ``seed`` alone, so a
-    rank (with its rank in the seed) or a resumed run draws the same batch again."""
+    """Standard normal inputs ``[rows, inputs]`` and targets ``[rows, outputs]`` drawn from ``seed`` alone, so
+    a rank (with its rank in the seed) or a resumed run draws the same batch again."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(rows, inputs, generator=generator), torch.randn(rows, outputs, generator=generator)
 
