@@ -38,6 +38,7 @@ from gradcomm.hooks import allgather_hooks, default_hooks, powerSGD_hook
 from gradcomm.hooks.grad_bucket import GradBucket
 from gradcomm.hooks.registry import hook_names, make_comm_hook
 from gradcomm.testing import RankError, run_on_ranks
+from tests.support.models import mlp
 from tests.support.ranks import counting_point_to_point, error_text
 from tests.support.training import random_batch
 
@@ -46,8 +47,7 @@ FAULT_TIMEOUT = 3.0  # seconds: the timeout of the subgroup each fault runs on
 
 # -- models, batches, helpers -----------------------------------------------------------------------------
 def _mlp(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
+    return mlp(8, 32, 16, 4, activation=nn.ReLU, seed=seed)
 
 
 def _bn_model() -> nn.Module:
