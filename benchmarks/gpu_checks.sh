@@ -3,8 +3,8 @@
 #
 #   bash benchmarks/gpu_checks.sh OUTPUT_DIR [STEP ...]     (default: every step; PYTHON=python3)
 #
-# 1. tests/test_ddp_vs_torch.py and tests/test_properties.py on CUDA tensors: 2 and 3 gloo ranks (gloo's
-#    CUDA path, every rank on the one GPU; with tests/test_state_resume.py, 2 ranks), then a one-rank NCCL
+# 1. tests/engine/test_ddp_vs_torch.py and tests/hooks/test_properties.py on CUDA tensors: 2 and 3 gloo ranks (gloo's
+#    CUDA path, every rank on the one GPU; with tests/checkpoint/test_hook_state_resume.py, 2 ranks), then a one-rank NCCL
 #    group (NCCL needs a GPU per rank).
 # 2. benchmarks/bench_compression.py, compute ms per hook on a one-rank NCCL group with the workload on the
 #    GPU, then the same on this machine's CPU (gloo) in the same run, for the ratio beside it; hook-only
@@ -36,8 +36,8 @@ step() {  # step NAME SECONDS COMMAND...: run with a hard limit, log, count a fa
 }
 
 "$python" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
-pytest=("$python" -m pytest -q -p no:cacheprovider --timeout 300 tests/test_ddp_vs_torch.py tests/test_properties.py)
-GRADCOMM_TEST_DEVICE=cuda step tests_cuda_gloo 300 "${pytest[@]}" tests/test_state_resume.py
+pytest=("$python" -m pytest -q -p no:cacheprovider --timeout 300 tests/engine/test_ddp_vs_torch.py tests/hooks/test_properties.py)
+GRADCOMM_TEST_DEVICE=cuda step tests_cuda_gloo 300 "${pytest[@]}" tests/checkpoint/test_hook_state_resume.py
 GRADCOMM_TEST_DEVICE=cuda GRADCOMM_TEST_BACKEND=nccl GRADCOMM_TEST_WORLD_SIZES=1 \
     step tests_cuda_nccl 120 "${pytest[@]}"
 

@@ -1,6 +1,6 @@
 """Soak: make and drop a process group, a DDP and its hook 100 times per hook; nothing may abort or stay.
 
-The loop of ``tests/test_group_lifecycle.py`` (a new group, a DDP of a two-layer MLP with
+The loop of ``tests/engine/test_group_lifecycle.py`` (a new group, a DDP of a two-layer MLP with
 ``bucket_cap_mb=0.001``, the hook, 3 backward passes, ``destroy_process_group``, everything dropped), at full
 length: ``--rounds`` rounds per hook and DDP kind, each hook in its own pair of rank processes, so that one
 that aborts a rank shows as such without hiding the others. On gradcomm's DDP the cyclic collector is off
@@ -24,12 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.test_group_lifecycle
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.engine.test_group_lifecycle
 
 from gradcomm.hooks.registry import hook_names
 from gradcomm.testing import run_on_ranks
 from gradcomm.testing.ranks import RankError
-from tests.test_group_lifecycle import TORCH_ALLREDUCE, TORCH_POWERSGD, _at_most, soak
+from tests.engine.test_group_lifecycle import TORCH_ALLREDUCE, TORCH_POWERSGD, _at_most, soak
 
 
 def _row(kind: str, hook: str, rounds: int) -> tuple[list[str], bool]:

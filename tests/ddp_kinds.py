@@ -1,20 +1,6 @@
-"""Build torch's or gradcomm's DistributedDataParallel by name, so one test body checks both."""
+"""The former home of ``make_ddp``, kept so that imports written before :mod:`tests.support` still resolve;
+new code imports from :mod:`tests.support.ranks`."""
 
-from __future__ import annotations
+from tests.support.ranks import DDP_KINDS, make_ddp
 
-from typing import Any
-
-import torch
-
-DDP_KINDS = ("torch", "gradcomm")
-
-
-def make_ddp(kind: str, module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
-    """``kind`` is "torch" (torch.nn.parallel.DistributedDataParallel) or "gradcomm"."""
-    if kind == "torch":
-        return torch.nn.parallel.DistributedDataParallel(module, **kwargs)
-    if kind == "gradcomm":
-        import gradcomm
-
-        return gradcomm.DistributedDataParallel(module, **kwargs)
-    raise ValueError(f"unknown DDP kind {kind!r}; expected one of {DDP_KINDS}")
+__all__ = ["DDP_KINDS", "make_ddp"]

@@ -21,7 +21,8 @@ from gradcomm.ddp.torch_compat import _REFUSED
 from gradcomm.hooks import default_hooks
 from gradcomm.hooks.compression_hook import CompressionState, compressed_allreduce_hook
 from gradcomm.testing import run_on_ranks
-from tests.helpers import error_text
+from tests.support.models import WithUnused
+from tests.support.ranks import error_text
 
 
 def test_grad_bucket_set_buffer_needs_the_same_size() -> None:
@@ -116,16 +117,6 @@ def _frozen() -> nn.Module:
     return module
 
 
-class _WithUnused(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.used = nn.Linear(4, 2)
-        self.unused = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.used(x)
-
-
 def _sparse_step(ddp: nn.Module) -> None:
     ddp(torch.tensor([1, 3, 3])).sum().backward()
 
@@ -157,7 +148,7 @@ def misuse_with_a_process_group() -> dict[str, str]:
     ddp(torch.randn(2, 4)).sum().backward()
     out.update(seen)
     # A backward that left buckets unreduced (an unused parameter without find_unused_parameters).
-    unfinished = gradcomm.DistributedDataParallel(_WithUnused())
+    unfinished = gradcomm.DistributedDataParallel(WithUnused(4, 2))
     unfinished(torch.randn(2, 4)).sum().backward()
     out["not_finalized"] = error_text(unfinished._check_reducer_finalized)
     # A hook that expects dense buffers on a sparse bucket, and a dense gradient where a sparse one belongs.

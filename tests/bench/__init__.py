@@ -1,0 +1,1 @@
+"""``gradcomm bench``: the CLI and emulated multi-node runs."""

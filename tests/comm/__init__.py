@@ -1,0 +1,1 @@
+"""Communication: collectives, futures, the launcher, the rank harness, shaped networks, faults, telemetry."""

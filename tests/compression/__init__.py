@@ -1,0 +1,1 @@
+"""Compression methods on their own, through the compression hook, and in training."""

@@ -1,0 +1,1 @@
+"""gradcomm.DiLoCo: its pieces, training on ranks, and faults."""

@@ -1,0 +1,1 @@
+"""gradcomm under Lightning and Accelerate."""
