@@ -71,7 +71,7 @@ at the first call (a stateless inner hook, whose state is its process group, get
 import functools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -83,7 +83,8 @@ from gradcomm.comm.faults import derived_group_timeout
 from gradcomm.comm.launcher import OrderedLauncher
 from gradcomm.hooks.contract import check_hook, declares_replicas_may_differ, hook_name
 from gradcomm.hooks.default_hooks import mean_allreduce
-from gradcomm.hooks.hook_state import _GROUP_RANKS_KEY, HookState
+from gradcomm.hooks.hook_state import _GROUP_RANKS_KEY, HookState, options_text
+from gradcomm.hooks.options import HierarchicalOptions
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,16 @@ class _Topology:
     def solo(self) -> bool:
         """A process group of one rank: no node topology at all."""
         return self.nodes * self.ranks_per_node == 1
+
+
+@dataclass
+class _Runtime:
+    """What a hierarchical state holds for this process only, rebuilt by :meth:`HierarchicalState.reset_runtime`."""
+
+    topology: _Topology | None = None  # created at the first call
+    inner_bound: Any = None  # what the inner hook gets as its state on a leader
+    inner_launcher: OrderedLauncher = field(default_factory=OrderedLauncher)
+    broadcast_launcher: OrderedLauncher = field(default_factory=OrderedLauncher)
 
 
 def _unwrapped(hook: Any) -> Any:
@@ -136,6 +147,8 @@ class HierarchicalState(HookState):
     ``state_dict()`` holds ``ranks_per_node`` and the inner state's ``state_dict()`` (the inner state must
     have one, or be stateless); a checkpoint is refused at another world size or ``ranks_per_node``.
     """
+
+    options_class = HierarchicalOptions
 
     def __init__(
         self,
@@ -171,16 +184,14 @@ class HierarchicalState(HookState):
                 f"{comm.group_size(bound)} ranks, but it runs on the group of the node leaders, which is created "
                 "at the first call: build the inner state with process_group=None"
             )
-        if ranks_per_node is not None:
-            _check_ranks_per_node(ranks_per_node, "ranks_per_node")
+        self._set_options((), {"ranks_per_node": ranks_per_node})
         self.process_group = process_group
         self.inner_hook = inner_hook
         self.inner = f"{getattr(unwrapped, '__module__', '?')}.{name}"  # a plain value: ranks must agree on it
         self.inner_state = None if isinstance(inner_state, ProcessGroup) else inner_state
-        self.ranks_per_node = ranks_per_node
         self._inner_options = _options_of(self.inner_state)
         self._loaded_ranks_per_node: int | None = None
-        self._reset_runtime()
+        self.reset_runtime()
 
     def comm_hook_fingerprint(self) -> str:
         """What the ranks must agree on (gradcomm's DDP compares it at registration): the inner hook, the
@@ -190,21 +201,20 @@ class HierarchicalState(HookState):
         from gradcomm.ddp.agreement import describe_hook  # the DDP side imports the hooks, not the reverse
 
         inner = describe_hook(self.inner_hook)
-        return f"HierarchicalState(inner={inner}, ranks_per_node={self.ranks_per_node}, inner state {self._inner_options})"
+        return f"HierarchicalState(inner={inner}, {options_text(self.options())}, inner state {self._inner_options})"
 
-    def _reset_runtime(self) -> None:
-        self._topology: _Topology | None = None
-        self._inner_bound: Any = None  # what the inner hook gets as its state on a leader
-        self._inner_launcher = OrderedLauncher()
-        self._broadcast_launcher = OrderedLauncher()
+    def reset_runtime(self, loaded: bool = False) -> None:
+        """Forget the topology and the groups (created again at the next call) and the launchers."""
+        self._runtime = _Runtime()
 
     # -- topology and groups, on first use --------------------------------------------------------------
     def topology(self) -> _Topology:
         """This rank's node, leader and groups; the first call checks the topology and creates the groups
         (a collective of every rank of the default group)."""
-        if self._topology is None:
-            self._topology = self._make_topology()
-        return self._topology
+        runtime = self._runtime
+        if runtime.topology is None:
+            runtime.topology = self._make_topology()
+        return runtime.topology
 
     def _make_topology(self) -> _Topology:
         if not dist.is_initialized():
@@ -255,16 +265,16 @@ class HierarchicalState(HookState):
     def _bind_inner(self, group: ProcessGroup | None) -> None:
         """Attach the inner state to ``group``, the inter-node group (``None``: the default group)."""
         if self.inner_state is None:
-            self._inner_bound = group
+            self._runtime.inner_bound = group
         else:
             self.inner_state.process_group = group
-            self._inner_bound = self.inner_state
+            self._runtime.inner_bound = self.inner_state
 
     def run_inner(self, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         """Run the inner hook on ``bucket`` (a leader's, holding the node average) among the leaders."""
         name = hook_name(self.inner_hook)
         try:
-            future = self.inner_hook(self._inner_bound, bucket)
+            future = self.inner_hook(self._runtime.inner_bound, bucket)
         except Exception as exc:
             raise RuntimeError(
                 f"hierarchical_hook: inner hook {name} raised on bucket {bucket.index()} on node leader rank "
@@ -279,7 +289,7 @@ class HierarchicalState(HookState):
 
     # -- checkpointing: the inner state's own dict; groups and launchers are rebuilt ----------------------
     def _plain_state(self) -> dict[str, Any]:
-        topology = self._topology
+        topology = self._runtime.topology
         resolved = self.ranks_per_node if topology is None or topology.solo else topology.ranks_per_node
         return {"ranks_per_node": resolved, "inner": self._inner_state_dict()}
 
@@ -299,7 +309,7 @@ class HierarchicalState(HookState):
 
     def _restore_plain_state(self, state: dict[str, Any]) -> None:
         saved = state.get("ranks_per_node")
-        topology = self._topology
+        topology = self._runtime.topology
         if saved is not None and topology is not None and not topology.solo and saved != topology.ranks_per_node:
             raise ValueError(_moved_message(saved, topology.ranks_per_node))
         inner = state.get("inner")
@@ -322,15 +332,10 @@ class HierarchicalState(HookState):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for runtime in ("_topology", "_inner_bound", "_inner_launcher", "_broadcast_launcher"):
-            state.pop(runtime, None)
-        if self._topology is not None and not self._topology.solo:
-            state["_loaded_ranks_per_node"] = self._topology.ranks_per_node
+        topology = self._runtime.topology
+        if topology is not None and not topology.solo:
+            state["_loaded_ranks_per_node"] = topology.ranks_per_node
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._reset_runtime()
 
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -474,17 +479,17 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
             done.value()  # the reduce writes into the buffer the broadcast receives into
             return lambda: comm.broadcast(buffer, leader, group)
 
-        return state._broadcast_launcher.launch_after(node_mean, receive, device)
+        return state._runtime.broadcast_launcher.launch_after(node_mean, receive, device)
 
     def run_inner(done: torch.futures.Future[torch.Tensor]) -> Any:
         done.value()
         return lambda: state.run_inner(bucket)
 
-    inner = state._inner_launcher.launch_after(node_mean, run_inner, device)
+    inner = state._runtime.inner_launcher.launch_after(node_mean, run_inner, device)
     name, index = hook_name(state.inner_hook), bucket.index()
 
     def send(done: torch.futures.Future[Any]) -> Any:
         result = _result_tensor(done.value(), buffer, name, index)
         return lambda: comm.broadcast(result, leader, group)
 
-    return state._broadcast_launcher.launch_after(inner, send, device)
+    return state._runtime.broadcast_launcher.launch_after(inner, send, device)
