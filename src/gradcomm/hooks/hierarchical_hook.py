@@ -197,7 +197,8 @@ class HierarchicalState(HookState):
         """What the ranks must agree on (gradcomm's DDP compares it at registration): the inner hook, the
         topology and the inner state's options as built. Not the inner state's counters, which advance on the
         leaders only (a state loaded from a checkpoint differs between leaders and the other ranks). The inner
-        hook is described through its wrappers (``fp16_compress_wrapper(powerSGD_hook)`` names both)."""
+        hook is described through its wrappers (``fp16_compress_wrapper(powerSGD_hook)`` names both). See
+        :class:`gradcomm.hooks.protocols.Fingerprinted`."""
         from gradcomm.ddp.agreement import describe_hook  # the DDP side imports the hooks, not the reverse
 
         inner = describe_hook(self.inner_hook)
@@ -342,9 +343,12 @@ _PLAIN = (bool, int, float, str, type(None))
 
 
 def _options_of(inner_state: Any) -> str:
-    """The inner state's public plain attributes, as built: its options (and its counters, still at zero)."""
+    """The inner state's options: its options dataclass where it declares one, else its public plain attributes
+    as built (its options, and its counters, still at zero)."""
     if inner_state is None:
         return "None (a stateless hook)"
+    if isinstance(inner_state, HookState) and inner_state.options_class is not None:
+        return f"{type(inner_state).__qualname__}({options_text(inner_state.options())})"
     attributes = getattr(inner_state, "__dict__", {})
     plain = [f"{k}={v!r}" for k, v in sorted(attributes.items()) if not k.startswith("_") and isinstance(v, _PLAIN)]
     return f"{type(inner_state).__qualname__}({', '.join(plain)})"

@@ -141,6 +141,9 @@ class HierarchicalOptions:
 
 
 DEFAULT_CANDIDATES = "fp16_compress+allreduce+powersgd:matrix_approximation_rank=4,start_powerSGD_iter=2"
+"""``auto``'s default candidates: exact or nearly exact averaging in the run's first steps, which are the most
+sensitive to compression; PowerSGD compresses from the run's third step (``start_powerSGD_iter=2``), its first
+trial step."""
 
 
 @dataclasses.dataclass(frozen=True)
