@@ -122,6 +122,13 @@ class HookState:
             raise TypeError(f"{type(self).__name__} declares no options_class")
         return self.options_class(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self.options_class)})
 
+    @classmethod
+    def _option_defaults(cls) -> dict[str, Any]:
+        if cls.options_class is None:
+            return {}
+        fields = dataclasses.fields(cls.options_class)
+        return {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
+
     # -- runtime -------------------------------------------------------------------------------------------
     def reset_runtime(self, loaded: bool = False) -> None:
         """Build this process's runtime (``self._runtime``): caches, groups, launchers, nothing saved.
@@ -138,7 +145,7 @@ class HookState:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        state = dict(state)
+        state = {**self._option_defaults(), **state}  # a pickle from before an option was added: its default
         saved_ranks = state.pop(_GROUP_RANKS_KEY, None)
         self.__dict__.update(state)
         self.process_group = None  # the default group

@@ -10,7 +10,6 @@ entries are gathered into that bucket's flat tensor, once.
 The state also owns the :class:`~gradcomm.comm.launcher.OrderedLauncher` that orders its hooks' collectives.
 """
 
-import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from gradcomm.comm.launcher import OrderedLauncher
-from gradcomm.hooks.hook_state import HookState, takes_options
+from gradcomm.hooks.hook_state import HookState, options_text, takes_options
 from gradcomm.hooks.options import PowerSGDOptions, saved_option_names
 from gradcomm.hooks.parameter_keys import Key, ParameterKeys, SavedKeyCheck
 
@@ -34,8 +33,6 @@ Shape = tuple[int, ...]
 Layout = tuple[Shape, ...]
 BucketKeys = tuple[Key, ...]
 
-_OPTIONS = tuple(f.name for f in dataclasses.fields(PowerSGDOptions))
-_HYPERPARAMETERS = saved_option_names(PowerSGDOptions)  # the seed's generator is saved instead of the seed
 _COUNTERS = ("iter", "total_numel_before_compression", "total_numel_after_compression", "next_stats_report")
 _BUFFERS = ("error_dict", "q_memory_dict", "parameter_shapes")
 _BUCKET_BUFFERS = ("bucket_q_memory_dict", "bucket_padding_error_dict")
@@ -116,7 +113,7 @@ class PowerSGDState(HookState):
         self.total_numel_after_compression = 0
         self.next_stats_report = 0
         self.reset_runtime()
-        logger.info("PowerSGD config: %s", "; ".join(f"{name} = {getattr(self, name)}" for name in _OPTIONS))
+        logger.info("PowerSGD config: %s", options_text(self.options()))
 
     def reset_runtime(self, loaded: bool = False) -> None:
         """Forget what belongs to this process (keys, bound buffers, the launcher); for a state just ``loaded``,
@@ -159,13 +156,17 @@ class PowerSGDState(HookState):
         if "bucket_layouts" in state:
             raise ValueError(_older_gradcomm("a pickled PowerSGDState"))
         logger.warning(DEFAULT_GROUP_NOTE)
-        state = {**_PICKLED_BEFORE, **state}
-        super().__setstate__(state)
+        super().__setstate__({"bucket_layout": None, **state})  # pickled before the layout was recorded: none
+
+    def _saved_options(self) -> tuple[str, ...]:
+        """The options a state dict holds: every field of the options dataclass but the seed, whose generator's
+        state is saved instead."""
+        return saved_option_names(self.options_class)
 
     def _plain_state(self) -> dict[str, Any]:
         _, keys, pos, has_gauss, cached_gaussian = self.rng.get_state()
         return {
-            **{name: getattr(self, name) for name in _HYPERPARAMETERS + _COUNTERS},
+            **{name: getattr(self, name) for name in (*self._saved_options(), *_COUNTERS)},
             "error_dict": dict(self.error_dict),
             "q_memory_dict": dict(self.q_memory_dict),
             "parameter_shapes": {key: list(shape) for key, shape in self.parameter_shapes.items()},
@@ -185,14 +186,15 @@ class PowerSGDState(HookState):
     def _restore_plain_state(self, state: dict[str, Any]) -> None:
         if "bucket_layouts" in state:
             raise ValueError(_older_gradcomm("PowerSGDState.load_state_dict: this state dict"))
-        expected = set(_HYPERPARAMETERS + _COUNTERS + _BUFFERS + _BUCKET_BUFFERS) | {"rng_state", "bucket_layout"}
+        options = self._saved_options()
+        expected = {*options, *_COUNTERS, *_BUFFERS, *_BUCKET_BUFFERS, "rng_state", "bucket_layout"}
         # saved before the layout was recorded, or before an option was added: those keep their values here
-        if set(state) | {"bucket_layout", *_HYPERPARAMETERS} != expected:
+        if set(state) | {"bucket_layout", *options} != expected:
             raise ValueError(
                 "PowerSGDState.load_state_dict: not a PowerSGDState state dict; "
                 f"missing keys {sorted(expected - set(state))}, unexpected keys {sorted(set(state) - expected)}"
             )
-        saved_options = [name for name in _HYPERPARAMETERS if name in state]
+        saved_options = [name for name in options if name in state]
         changed = [
             f"{name} {getattr(self, name)} -> {state[name]}"
             for name in saved_options
@@ -224,10 +226,6 @@ class PowerSGDState(HookState):
                 rng_state["cached_gaussian"],
             )
         )
-
-
-_PICKLED_BEFORE = {"bucket_layout": None, **{f.name: f.default for f in dataclasses.fields(PowerSGDOptions)}}
-"""What a pickle from an older gradcomm may lack: the layout (recorded since), an option added since."""
 
 
 def _older_gradcomm(what: str) -> str:
