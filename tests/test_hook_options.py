@@ -60,6 +60,8 @@ def test_the_state_built_by_name_is_the_one_declaring_the_options(spec: HookSpec
     _, state = registry.make_comm_hook(spec.name, **options)
     assert isinstance(state, HookState) and type(state).options_class is spec.options_class
     assert isinstance(state.options(), spec.options_class)
+    constructor = inspect.signature(type(state).__init__).parameters
+    assert {f.name for f in dataclasses.fields(spec.options_class)} <= set(constructor)
 
 
 def test_constructor_signatures_follow_the_options() -> None:
@@ -121,13 +123,24 @@ def test_an_option_that_sets_up_saved_state_is_not_saved_itself() -> None:
     ],
     ids=["powersgd", "hierarchical", "auto"],
 )
-def test_the_runtime_is_rebuilt_never_saved(make) -> None:
+def test_the_runtime_is_never_saved_and_rebuilt_on_unpickling(make) -> None:
     state = make()
-    runtime = state._runtime
     assert "_runtime" not in state.state_dict() and "_runtime" not in state.__getstate__()
-    assert pickle.loads(pickle.dumps(state))._runtime is not None
-    state.load_state_dict(state.state_dict())
-    assert state._runtime is not runtime  # load_state_dict rebuilt it
+    unpickled = pickle.loads(pickle.dumps(state))
+    assert unpickled._runtime is not None and unpickled._runtime is not state._runtime
+
+
+def test_loading_in_place_rebuilds_caches_and_keeps_groups_and_launchers() -> None:
+    powersgd = PowerSGDState(None, start_powerSGD_iter=5)
+    runtime = powersgd._runtime
+    runtime.buckets[("w",)] = object()
+    powersgd.load_state_dict(powersgd.state_dict())
+    assert powersgd._runtime.buckets == {} and powersgd._runtime.check is not None
+    assert powersgd._runtime.launcher is runtime.launcher
+    hierarchical = HierarchicalState(powerSGD_hook, PowerSGDState(None), 2)
+    groups = hierarchical._runtime
+    hierarchical.load_state_dict(hierarchical.state_dict())
+    assert hierarchical._runtime is groups
 
 
 # -- checkpoints of the earlier format --------------------------------------------------------------------------

@@ -205,8 +205,11 @@ class HierarchicalState(HookState):
         return f"HierarchicalState(inner={inner}, {options_text(self.options())}, inner state {self._inner_options})"
 
     def reset_runtime(self, loaded: bool = False) -> None:
-        """Forget the topology and the groups (created again at the next call) and the launchers."""
-        self._runtime = _Runtime()
+        """Start without topology, groups (created at the next call) or launchers; a state loaded in place keeps
+        its own, created by every rank together and still valid (the checkpoint's topology is checked against
+        them)."""
+        if not (loaded and "_runtime" in self.__dict__):
+            self._runtime = _Runtime()
 
     # -- topology and groups, on first use --------------------------------------------------------------
     def topology(self) -> _Topology:

@@ -134,8 +134,9 @@ class HookState:
         """Build this process's runtime (``self._runtime``): caches, groups, launchers, nothing saved.
 
         Called by the constructor, after unpickling and after :meth:`load_state_dict` (``loaded=True``: the
-        state holds what a checkpoint saved, to be checked against the model at the next step). The base class
-        has none.
+        state holds what a checkpoint saved, to be checked against the model at the next step). Caches derived
+        from the saved state are rebuilt; a state loaded in place may keep what is still valid, its groups and
+        launchers (an unpickled state has none). The base class has no runtime.
         """
 
     # -- pickling ------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ entries are gathered into that bucket's flat tensor, once.
 The state also owns the :class:`~gradcomm.comm.launcher.OrderedLauncher` that orders its hooks' collectives.
 """
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from gradcomm.comm.launcher import OrderedLauncher
-from gradcomm.hooks.hook_state import HookState, options_text, takes_options
+from gradcomm.hooks.hook_state import HookState, takes_options
 from gradcomm.hooks.options import PowerSGDOptions, saved_option_names
 from gradcomm.hooks.parameter_keys import Key, ParameterKeys, SavedKeyCheck
 
@@ -113,12 +114,15 @@ class PowerSGDState(HookState):
         self.total_numel_after_compression = 0
         self.next_stats_report = 0
         self.reset_runtime()
-        logger.info("PowerSGD config: %s", options_text(self.options()))
+        options = dataclasses.asdict(self.options())
+        logger.info("PowerSGD config: %s", "; ".join(f"{name} = {value}" for name, value in options.items()))
 
     def reset_runtime(self, loaded: bool = False) -> None:
-        """Forget what belongs to this process (keys, bound buffers, the launcher); for a state just ``loaded``,
-        check the next buckets against the saved parameter shapes."""
-        self._runtime = _Runtime(SavedKeyCheck("PowerSGDState", self.parameter_shapes) if loaded else None)
+        """Forget the keys and the buffers bound to buckets; for a state just ``loaded``, check the next buckets
+        against the saved parameter shapes. A state loaded in place keeps its launcher (its order goes on)."""
+        existing: _Runtime | None = self.__dict__.get("_runtime")
+        check = SavedKeyCheck("PowerSGDState", self.parameter_shapes) if loaded else None
+        self._runtime = _Runtime(check) if existing is None else _Runtime(check, launcher=existing.launcher)
 
     def keys(self, bucket: dist.GradBucket) -> BucketKeys:
         """The keys of ``bucket``'s parameters in this state (see :mod:`gradcomm.hooks.parameter_keys`)."""
