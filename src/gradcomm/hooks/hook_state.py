@@ -106,12 +106,11 @@ class HookState:
         """Check the constructor's options against ``options_class`` and make them attributes; returns them."""
         assert self.options_class is not None
         try:
-            options = self.options_class(*args, **kwargs)
+            inspect.signature(self.options_class).bind(*args, **kwargs)
         except TypeError as exc:
-            if "argument" not in str(exc):
-                raise  # a value of the wrong type, already named
             valid = ", ".join(f.name for f in dataclasses.fields(self.options_class))
             raise TypeError(f"{type(self).__name__}: {exc}; its options are {valid}") from None
+        options = self.options_class(*args, **kwargs)  # checks the values, naming the state
         for field in dataclasses.fields(options):
             setattr(self, field.name, getattr(options, field.name))
         return options
