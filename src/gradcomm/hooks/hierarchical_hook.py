@@ -357,14 +357,6 @@ def _options_of(inner_state: Any) -> str:
     return f"{type(inner_state).__qualname__}({', '.join(plain)})"
 
 
-def _check_ranks_per_node(value: Any, source: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"HierarchicalState: {source} must be an integer, got {value!r}")
-    if value < 1:
-        raise ValueError(f"HierarchicalState: {source} must be at least 1, got {value}")
-    return value
-
-
 def _moved_message(saved: int, current: int) -> str:
     return (
         f"HierarchicalState: this checkpoint was written with {saved} ranks per node, but this run has "
@@ -386,7 +378,8 @@ def _local_ranks_per_node(explicit: int | None, rank: int, world_size: int) -> i
                 f"which sets {_ENV}"
             )
         try:
-            ranks_per_node = _check_ranks_per_node(int(text), _ENV)
+            ranks_per_node = int(text)
+            HierarchicalOptions(ranks_per_node)  # at least 1
         except ValueError:
             raise ValueError(
                 f"HierarchicalState: {_ENV}={text!r} on rank {rank} is not a positive integer; pass "
