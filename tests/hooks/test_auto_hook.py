@@ -19,6 +19,7 @@ from torch import nn
 
 from gradcomm.checkpoint import load_checkpoint, save_checkpoint
 from gradcomm.hooks.auto_hook import AutoHookState, Link, auto_hook
+from gradcomm.hooks.auto_trial import PendingBucket
 from gradcomm.hooks.link_model import fit_link
 from gradcomm.hooks.registry import (
     check_options,
@@ -314,9 +315,9 @@ def _trial_step_time_includes_the_wait() -> dict[str, float]:
     auto_module.time.perf_counter = lambda: clock[0]
     try:
         state = AutoHookState(candidates="allreduce+fp16_compress")
-        state._window = (0, 100.0)
+        state._runtime.window = (0, 100.0)
         gradient = torch.ones(8)
-        state._pending = [([0], [8], [gradient.clone()], [1], _SlowFuture(clock, gradient))]
+        state._runtime.pending = [PendingBucket([0], [8], [gradient.clone()], [1], _SlowFuture(clock, gradient))]
         state._end_step()  # waits for the step's futures (10 s on the clock), then runs the error pass
         state._begin_step()  # closes the step's window
     finally:

@@ -354,3 +354,15 @@ def test_state_checkpoints_before_use() -> None:
     assert unpickled.inner_state.iter == 7 and unpickled.inner_hook is powerSGD_hook and unpickled.ranks_per_node == 2
     with pytest.raises(ValueError, match="this checkpoint holds an inner state, but inner hook allreduce_hook has none"):
         HierarchicalState(default_hooks.allreduce_hook).load_state_dict(state.state_dict())
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_local_world_size_must_be_a_positive_integer(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    from gradcomm.hooks.hierarchical_hook import _local_ranks_per_node
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+    with pytest.raises(ValueError, match=rf"LOCAL_WORLD_SIZE='{value}' on rank 1 is not a positive integer"):
+        _local_ranks_per_node(None, 1, 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert _local_ranks_per_node(None, 1, 4) == 2

@@ -79,9 +79,7 @@ same candidate and no new trial. A checkpoint taken during the trial restarts th
 # No ``from __future__ import annotations``: torch's DDP compares the hook's annotations with real types.
 
 import logging
-import math
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -90,95 +88,37 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from gradcomm import comm
-from gradcomm.hooks import registry
-from gradcomm.hooks.hook_state import HookState
+from gradcomm.hooks.auto_trial import (
+    Candidate,
+    CandidateFigures,
+    ErrorSums,
+    PendingBucket,
+    choose,
+    error_of,
+    parse_candidates,
+)
+from gradcomm.hooks.hook_state import HookState, options_text, takes_options
 from gradcomm.hooks.link_model import Link, agree_max, measure_link
+from gradcomm.hooks.options import DEFAULT_CANDIDATES, AutoOptions
 
 __all__ = ["DEFAULT_CANDIDATES", "AutoHookState", "CandidateFigures", "Link", "auto_hook"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CANDIDATES = "fp16_compress+allreduce+powersgd:matrix_approximation_rank=4,start_powerSGD_iter=2"
-"""Exact or nearly exact averaging in the run's first steps, which are the most sensitive to compression;
-PowerSGD compresses from the run's third step (``start_powerSGD_iter=2``), its first trial step."""
-
-_SAMPLE_PER_PARAMETER = 1024
 _CUT_FACTOR = 1.5
-_REFUSED = {"auto": "auto cannot be its own candidate", "noop": "noop does not average gradients",
-            "post_localsgd": "post_localsgd leaves the replicas different on purpose"}
 _KEPT_DECISIONS = 20
 _FORMAT = 1
 
 
 @dataclass
-class _ErrorSums:
-    """One parameter's sampled ``Σ(result − exact)`` and ``Σ exact`` over a candidate's trial steps; each
-    sampled element stands for ``weight`` elements of the parameter."""
+class _StepRuntime:
+    """What :class:`AutoHookState` keeps within a step, for this process only (rebuilt by ``reset_runtime``)."""
 
-    difference: torch.Tensor
-    exact: torch.Tensor
-    weight: float
-
-
-@dataclass
-class CandidateFigures:
-    """What the trial measured for one candidate (agreed over the ranks once its pass is done)."""
-
-    step_seconds: list[float] = field(default_factory=list)
-    calls: float = 0.0
-    wire_bytes: float = 0.0
-    error: float | None = None
-    compute: float | None = None
-    cut: bool = False
-
-    def predicted(self, link: Link) -> float:
-        """Predicted step time on ``link``: compute plus the network time of its collectives."""
-        return (self.compute or 0.0) + link.seconds(self.calls, self.wire_bytes)
-
-
-@dataclass
-class _Candidate:
-    text: str
-    name: str
-    options: dict[str, Any]
-
-
-def _refusal(message: str) -> ValueError:
-    return ValueError(f"AutoHookState: option 'candidates': {message}")
-
-
-def _parse_candidates(candidates: str | Sequence[str]) -> list[_Candidate]:
-    if isinstance(candidates, str):
-        texts = [part.strip() for part in candidates.split("+")]
-    elif isinstance(candidates, Sequence):
-        texts = [part.strip() if isinstance(part, str) else part for part in candidates]
-    else:
-        raise TypeError(
-            f"AutoHookState: option 'candidates' must be a string such as 'allreduce+fp16_compress' or a list "
-            f"of hook choices, got {type(candidates).__name__}"
-        )
-    if not texts or texts == [""]:
-        raise _refusal("names no hook; give at least one, e.g. 'allreduce+fp16_compress'")
-    parsed: list[_Candidate] = []
-    for text in texts:
-        if not isinstance(text, str) or not text:
-            raise _refusal(f"each candidate must be a non-empty hook choice 'name[:key=value,...]', got {text!r}")
-        text = text.replace(";", ",")
-        try:
-            name, options = registry.parse_hook_choice(text)
-            canonical = registry.resolve_hook_name(name).value.name
-        except ValueError as exc:
-            raise _refusal(str(exc)) from None
-        if canonical in _REFUSED:
-            raise _refusal(f"{text!r} is not allowed: {_REFUSED[canonical]}")
-        try:
-            checked = registry.check_options(canonical, **options)
-        except (ValueError, TypeError) as exc:
-            raise _refusal(f"{text!r}: {exc}") from None
-        if any(c.text == text for c in parsed):
-            raise _refusal(f"{text!r} is given twice")
-        parsed.append(_Candidate(text, canonical, checked))
-    return parsed
+    open: bool = False  # a step has begun (its first bucket was seen) and not ended
+    window: tuple[int, float] | None = None  # the candidate on trial this step, and when the step began
+    overhead: float = 0.0  # auto's own measuring within the step, not counted in its time
+    traffic_before: tuple[dict[tuple[str, int], int], int] = ({}, 0)
+    pending: list[PendingBucket] = field(default_factory=list)  # the trial step's buckets, for the error pass
 
 
 class AutoHookState(HookState):
@@ -202,35 +142,29 @@ class AutoHookState(HookState):
         remeasure_every: steps between link measurements (and re-decisions); 0 measures the link only once.
         tie_tolerance: predicted step times within this fraction of the fastest count as tied; the most
             accurate of the tied candidates wins.
+
+    The options are :class:`~gradcomm.hooks.options.AutoOptions`.
     """
 
-    def __init__(
-        self,
-        process_group: ProcessGroup | None = None,
-        candidates: str | Sequence[str] = DEFAULT_CANDIDATES,
-        error_bound: float = 0.1,
-        trial_steps: int = 3,
-        remeasure_every: int = 100,
-        tie_tolerance: float = 0.05,
-    ) -> None:
-        if not (isinstance(error_bound, (int, float)) and 0 < error_bound < math.inf):
-            raise ValueError(f"AutoHookState: option 'error_bound' must be a number > 0, got {error_bound!r}")
-        for option, value, least in (("trial_steps", trial_steps, 1), ("remeasure_every", remeasure_every, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"AutoHookState: option {option!r} must be an integer >= {least}, got {value!r}")
-        if not (isinstance(tie_tolerance, (int, float)) and 0 <= tie_tolerance < math.inf):
-            raise ValueError(f"AutoHookState: option 'tie_tolerance' must be a number >= 0, got {tie_tolerance!r}")
-        self._candidates = _parse_candidates(candidates)
+    options_class = AutoOptions
+
+    @takes_options(AutoOptions)
+    def __init__(self, process_group: ProcessGroup | None = None, *options: Any, **named: Any) -> None:
+        self._set_options(options, named)
+        self._candidates: list[Candidate] = parse_candidates(self.candidates)
         self.process_group = process_group
         self.candidates = "+".join(c.text for c in self._candidates)
-        self.error_bound = float(error_bound)
-        self.trial_steps = trial_steps
-        self.remeasure_every = remeasure_every
-        self.tie_tolerance = float(tie_tolerance)
+        self.error_bound = float(self.error_bound)
+        self.tie_tolerance = float(self.tie_tolerance)
         self._restart_trial()
         self.step = 0
         self.link: Link | None = None
         self.decisions: list[dict[str, Any]] = []
+        self.reset_runtime()
+
+    def reset_runtime(self, loaded: bool = False) -> None:
+        """Forget the step in progress (its window, traffic count and buckets awaiting the error pass)."""
+        self._runtime = _StepRuntime()
 
     def _restart_trial(self) -> None:
         self.trialing = True
@@ -238,15 +172,10 @@ class AutoHookState(HookState):
         self._figures = [CandidateFigures() for _ in self._candidates]
         self._schedule = list(range(len(self._candidates)))
         self._passes = 0
-        self._hooks: list[Callable[..., Any] | None] = [None] * len(self._candidates)
-        self._states: list[Any] = [None] * len(self._candidates)
-        self._errors: list[dict[int, _ErrorSums]] = [{} for _ in self._candidates]
+        for candidate in self._candidates:
+            candidate.stop()
+        self._errors: list[dict[int, ErrorSums]] = [{} for _ in self._candidates]
         self._link_at_trial: Link | None = None
-        self._open = False
-        self._window: tuple[int, float] | None = None
-        self._overhead = 0.0
-        self._traffic_before: tuple[dict[tuple[str, int], int], int] = ({}, 0)
-        self._pending: list[tuple[list[int], list[int], list[torch.Tensor], list[int], torch.futures.Future]] = []
 
     def measure_link(self) -> Link:
         """Measure the link (a collective); replaceable on an instance (``state.measure_link = ...``), e.g. by
@@ -255,37 +184,48 @@ class AutoHookState(HookState):
         return measure_link(self.process_group)
 
     def comm_hook_fingerprint(self) -> str:
-        """What must agree across ranks: the options (the measurements differ by rank until agreed)."""
-        return (
-            f"candidates={self.candidates}, error_bound={self.error_bound}, trial_steps={self.trial_steps}, "
-            f"remeasure_every={self.remeasure_every}, tie_tolerance={self.tie_tolerance}"
-        )
+        """What must agree across ranks: the options (the measurements differ by rank until agreed); see
+        :class:`gradcomm.hooks.protocols.Fingerprinted`."""
+        return f"AutoHookState({options_text(self.options())})"
 
     @property
     def choice(self) -> str:
         """The candidate averaging now (during the trial, the one on trial)."""
         return self._candidates[self.active].text
 
-    # -- the candidates --------------------------------------------------------------------------------------
+    def average(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Average ``bucket`` with the current candidate (what :func:`auto_hook` does): at a step's first
+        bucket, measure, decide and switch; during the trial, sample the bucket for the error pass, and at the
+        step's last bucket run that pass."""
+        runtime = self._runtime
+        if not runtime.open:
+            self._begin_step()
+        candidate = self._candidates[self.active]
+        if self.trialing:
+            pending = PendingBucket.sample(bucket)  # before the candidate runs: it may average the bucket in place
+            pending.future = future = candidate.average(bucket)
+            runtime.pending.append(pending)
+        else:
+            future = candidate.average(bucket)
+        if bucket.is_last():
+            if self.trialing:
+                self._end_step()
+            self.step += 1
+            runtime.open = False
+        return future
+
     def _activate(self, index: int, fresh: bool) -> None:
-        if fresh or self._hooks[index] is None:
-            candidate = self._candidates[index]
-            self._hooks[index], self._states[index] = registry.make_comm_hook(
-                candidate.name, process_group=self.process_group, **candidate.options
-            )
-        state = self._states[index]
-        if isinstance(getattr(state, "iter", None), int):
-            state.iter = max(state.iter, self.step)
+        self._candidates[index].start(self.process_group, self.step, fresh)
         self.active = index
 
     # -- step boundaries -------------------------------------------------------------------------------------
     def _begin_step(self) -> None:
         """At the first bucket of a step: close the last step's window, then measure, decide, switch."""
-        now = time.perf_counter()
-        if self.trialing and self._window is not None:
-            index, start = self._window
-            self._figures[index].step_seconds.append(now - start - self._overhead)
-        self._window, self._overhead, self._open = None, 0.0, True
+        now, runtime = time.perf_counter(), self._runtime
+        if self.trialing and runtime.window is not None:
+            index, start = runtime.window
+            self._figures[index].step_seconds.append(now - start - runtime.overhead)
+        runtime.window, runtime.overhead, runtime.open = None, 0.0, True
         if self.link is None:
             self.link = self.measure_link()
         elif not self.trialing and self.remeasure_every and self.step % self.remeasure_every == 0:
@@ -294,8 +234,8 @@ class AutoHookState(HookState):
         if self.trialing:
             self._advance_trial()
         if self.trialing:
-            self._window = (self.active, time.perf_counter())
-            self._traffic_before = (comm.traffic.snapshot_by_group(), comm.traffic.total_calls)
+            runtime.window = (self.active, time.perf_counter())
+            runtime.traffic_before = (comm.traffic.snapshot_by_group(), comm.traffic.total_calls)
 
     def _advance_trial(self) -> None:
         if not self._schedule:
@@ -318,7 +258,7 @@ class AutoHookState(HookState):
         local: list[float] = []
         for index, figures in enumerate(self._figures):
             times = figures.step_seconds[1:] or figures.step_seconds
-            local += [min(times) if times else 0.0, figures.calls, figures.wire_bytes, self._error_of(index)]
+            local += [min(times) if times else 0.0, figures.calls, figures.wire_bytes, error_of(self._errors[index])]
         agreed = agree_max(local, self.process_group)
         unexplained = []
         for k, figures in enumerate(self._figures):
@@ -336,14 +276,6 @@ class AutoHookState(HookState):
         if self._passes < self.trial_steps:
             self._schedule = [k for k, figures in enumerate(self._figures) if not figures.cut]
 
-    def _error_of(self, index: int) -> float:
-        sums = self._errors[index]
-        if not sums:
-            return 0.0
-        difference = sum(s.weight * float(s.difference.pow(2).sum()) for s in sums.values())
-        exact = sum(s.weight * float(s.exact.pow(2).sum()) for s in sums.values())
-        return math.sqrt(difference / exact) if exact > 0 else math.sqrt(difference)
-
     def _decide(self, reason: str, ending_trial: bool) -> None:
         """Choose the candidate with the lowest predicted step time within the error bound; switch to it.
 
@@ -351,19 +283,10 @@ class AutoHookState(HookState):
         the newly chosen one afresh.
         """
         assert self.link is not None
-        link = self.link
-        figures = self._figures
-        predicted = [f.predicted(link) for f in figures]
-        eligible = [k for k, f in enumerate(figures) if f.error is not None and f.error <= self.error_bound]
-        if eligible:
-            fastest = min(predicted[k] for k in eligible)
-            tied = [k for k in eligible if predicted[k] <= fastest * (1 + self.tie_tolerance)]
-            if not ending_trial and self.active in tied:
-                choice = self.active  # a switch drops state: not for a gain within the tolerance
-            else:
-                choice = min(tied, key=lambda k: (figures[k].error, predicted[k], k))
-        else:
-            choice = min(range(len(figures)), key=lambda k: (figures[k].error or 0.0, predicted[k], k))
+        link, figures = self.link, self._figures
+        decided = choose(figures, link, self.error_bound, self.tie_tolerance, None if ending_trial else self.active)
+        choice, predicted, eligible = decided.index, decided.predicted, decided.eligible
+        if not eligible:
             logger.warning(
                 "auto hook: no candidate within error_bound %g; using the most accurate, %s",
                 self.error_bound,
@@ -371,9 +294,9 @@ class AutoHookState(HookState):
             )
         switched = choice != self.active
         if switched or ending_trial:
-            for k in range(len(self._states)):
+            for k, candidate in enumerate(self._candidates):
                 if k != choice:
-                    self._hooks[k], self._states[k] = None, None
+                    candidate.stop()
             self._errors = [{} for _ in self._candidates]
             self._activate(choice, fresh=not ending_trial)
         decision = {
@@ -410,62 +333,40 @@ class AutoHookState(HookState):
         )
 
     # -- the error pass ---------------------------------------------------------------------------------------
-    def _sample(self, bucket: dist.GradBucket) -> tuple[list[int], list[int], list[torch.Tensor], list[int]]:
-        """A strided sample of each gradient of ``bucket``, with its parameter's key, size and stride."""
-        keys, numels, samples, strides = [], [], [], []
-        for parameter, gradient in zip(bucket.parameters(), bucket.gradients(), strict=True):
-            flat = gradient.reshape(-1)
-            stride = max(1, -(-flat.numel() // _SAMPLE_PER_PARAMETER)) | 1  # odd: every column of a matrix
-            keys.append(id(parameter))
-            numels.append(flat.numel())
-            samples.append(flat[::stride].detach().clone())
-            strides.append(stride)
-        return keys, numels, samples, strides
-
     def _end_step(self) -> None:
         """At the last bucket of a trial step: wait for the step's futures, count its traffic, measure error.
 
         The wait is the step's own (the DDP waits for every bucket at the end of backward anyway) and stays in
         its measured time; only the error pass after it is auto's overhead.
         """
-        pending, self._pending = self._pending, []
+        runtime = self._runtime
+        pending, runtime.pending = runtime.pending, []
         results = []
-        for *_, future in pending:
-            value = future.wait()
+        for bucket in pending:
+            value = bucket.future.wait()
             results.append(value[0] if isinstance(value, list) else value)
         start = time.perf_counter()
-        before, calls_before = self._traffic_before
+        before, calls_before = runtime.traffic_before
         after = comm.traffic.snapshot_by_group()
         sent = {key: n - before.get(key, 0) for key, n in after.items()}
         figures = self._figures[self.active]
         figures.calls = comm.traffic.total_calls - calls_before
         figures.wire_bytes = comm.group_wire_bytes(sent)
         if pending:
-            inputs = torch.cat([s.reshape(-1).float() for _, _, samples, _, _ in pending for s in samples])
-            dist.all_reduce(inputs, group=self.process_group)  # not through gradcomm.comm: not hook traffic
-            inputs = inputs.double() / comm.group_size(self.process_group)
-            sums = self._errors[self.active]
+            exact = torch.cat([s.reshape(-1).float() for bucket in pending for s in bucket.samples])
+            dist.all_reduce(exact, group=self.process_group)  # not through gradcomm.comm: not hook traffic
+            exact = exact.double() / comm.group_size(self.process_group)
             offset = 0
-            for (keys, numels, samples, strides, _), result in zip(pending, results, strict=True):
-                flat = result.reshape(-1)
-                position = 0
-                for key, numel, sample, stride in zip(keys, numels, samples, strides, strict=True):
-                    exact = inputs[offset : offset + sample.numel()]
-                    got = flat[position : position + numel][::stride].double()
-                    difference = got - exact
-                    if key in sums:
-                        sums[key].difference += difference
-                        sums[key].exact += exact
-                    else:
-                        # an empty parameter's sample is empty too: weight 0, it has nothing to count
-                        sums[key] = _ErrorSums(difference.clone(), exact.clone(), numel / max(sample.numel(), 1))
-                    offset += sample.numel()
-                    position += numel
-        self._overhead += time.perf_counter() - start
+            for bucket, result in zip(pending, results, strict=True):
+                length = sum(sample.numel() for sample in bucket.samples)
+                bucket.add_errors(self._errors[self.active], result, exact[offset : offset + length])
+                offset += length
+        runtime.overhead += time.perf_counter() - start
 
     # -- reporting ----------------------------------------------------------------------------------------------
     def comm_stats_details(self) -> dict[str, Any]:
-        """What ``comm_stats().hook_details`` shows: the phase, the choice, the link and the last decision."""
+        """What ``comm_stats().hook_details`` shows: the phase, the choice, the link and the last decision
+        (:class:`gradcomm.hooks.protocols.ReportsCommStats`)."""
         return {
             "phase": "trial" if self.trialing else "chosen",
             "choice": self.choice,
@@ -477,8 +378,7 @@ class AutoHookState(HookState):
 
     # -- checkpointing ------------------------------------------------------------------------------------------
     def _plain_state(self) -> dict[str, Any]:
-        state = self._states[self.active]
-        own = state.state_dict() if not self.trialing and callable(getattr(state, "state_dict", None)) else None
+        own = None if self.trialing else self._candidates[self.active].state_dict()
         return {
             "format": _FORMAT,
             "candidates": self.candidates,
@@ -507,12 +407,10 @@ class AutoHookState(HookState):
         self._figures = [CandidateFigures(**f) for f in state["figures"]]
         self._activate(state["active"], fresh=True)
         if state["active_state"] is not None:
-            self._states[self.active].load_state_dict(state["active_state"])
+            self._candidates[self.active].load_state_dict(state["active_state"])
 
     def __getstate__(self) -> dict[str, Any]:
-        options = {k: getattr(self, k) for k in ("candidates", "error_bound", "trial_steps", "remeasure_every",
-                                                 "tie_tolerance")}
-        return {"options": options, "state": self.state_dict()}
+        return {"options": asdict(self.options()), "state": self.state_dict()}
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         self.__init__(None, **saved["options"])  # type: ignore[misc]
@@ -524,27 +422,12 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
 
     At the first bucket of a step it may measure the link (blocking collectives on ``state.process_group``,
     which is idle then) and decide or switch; during the trial it also samples the bucket for the error pass,
-    and at the last bucket waits for the step's futures and runs that pass. See the module docstring for the
-    algorithm and :class:`AutoHookState` for the options.
+    and at the last bucket waits for the step's futures and runs that pass (:meth:`AutoHookState.average`).
+    See the module docstring for the algorithm and :class:`AutoHookState` for the options.
 
     Example::
 
         >>> state = AutoHookState(candidates="allreduce+powersgd:matrix_approximation_rank=4,start_powerSGD_iter=2")
         >>> ddp_model.register_comm_hook(state, auto_hook)
     """
-    if not state._open:
-        state._begin_step()
-    hook, candidate_state = state._hooks[state.active], state._states[state.active]
-    assert hook is not None
-    if state.trialing:
-        sample = state._sample(bucket)  # before the candidate runs: it may average the bucket in place
-        future = hook(candidate_state, bucket)
-        state._pending.append((*sample, future))
-    else:
-        future = hook(candidate_state, bucket)
-    if bucket.is_last():
-        if state.trialing:
-            state._end_step()
-        state.step += 1
-        state._open = False
-    return future
+    return state.average(bucket)

@@ -7,6 +7,9 @@ into one error naming the hook, the bucket and what was expected.
 
 A hook that raises, or whose future fails for a reason of its own, gives :class:`CommHookError` with the
 original exception chained; a failure caused by a lost peer gives :class:`~gradcomm.comm.faults.PeerLostError`.
+
+What else a hook or its state may declare (replicas that differ on purpose, a fingerprint, a report, a
+checkpoint) is described in :mod:`gradcomm.hooks.protocols`.
 """
 
 from __future__ import annotations
@@ -223,10 +226,9 @@ def replicas_may_differ(hook: CommHook | None, state: Any) -> bool:
     """Whether ``hook`` may leave the ranks' replicas different on purpose at its state's current iteration.
 
     Most hooks average, so replicas stay identical and the DDP's periodic parameter check applies. A hook
-    that does not (no communication, local SGD between model averagings) declares it with an attribute
-    ``replicas_may_differ(state) -> bool``; the DDP then skips its check while that is true, and the model
-    averager checks right after it averages instead. A wrapper (``fp16_compress_wrapper(hook)``) inherits
-    the declaration of the hook it wraps. torch's ``noop_hook`` and ``post_localSGD_hook`` are known.
+    that does not declares it with an attribute ``replicas_may_differ(state) -> bool``
+    (:class:`gradcomm.hooks.protocols.DeclaresReplicasMayDiffer`, where the contract is described); a wrapper
+    inherits the declaration of the hook it wraps. torch's ``noop_hook`` and ``post_localSGD_hook`` are known.
     """
     declared = None if hook is None else _declaration(hook)
     return declared is not None and bool(declared(state))

@@ -26,4 +26,4 @@ def noop_hook(_: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Ten
     return fut
 
 
-noop_hook.replicas_may_differ = lambda state: True  # type: ignore[attr-defined]  # replicas never averaged
+noop_hook.replicas_may_differ = lambda state: True  # type: ignore[attr-defined]  # never averaged: hooks.protocols

@@ -71,7 +71,7 @@ at the first call (a stateless inner hook, whose state is its process group, get
 import functools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -84,7 +84,8 @@ from gradcomm.comm.launcher import OrderedLauncher
 from gradcomm.hooks.contract import check_hook, declares_replicas_may_differ, hook_name
 from gradcomm.hooks.default_hooks import mean_allreduce
 from gradcomm.hooks.fingerprint import describe_hook
-from gradcomm.hooks.hook_state import _GROUP_RANKS_KEY, HookState
+from gradcomm.hooks.hook_state import _GROUP_RANKS_KEY, HookState, options_text
+from gradcomm.hooks.options import HierarchicalOptions
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,16 @@ class _Topology:
     def solo(self) -> bool:
         """A process group of one rank: no node topology at all."""
         return self.nodes * self.ranks_per_node == 1
+
+
+@dataclass
+class _Runtime:
+    """What a hierarchical state holds for this process only, rebuilt by :meth:`HierarchicalState.reset_runtime`."""
+
+    topology: _Topology | None = None  # created at the first call
+    inner_bound: Any = None  # what the inner hook gets as its state on a leader
+    inner_launcher: OrderedLauncher = field(default_factory=OrderedLauncher)
+    broadcast_launcher: OrderedLauncher = field(default_factory=OrderedLauncher)
 
 
 def _unwrapped(hook: Any) -> Any:
@@ -137,6 +148,8 @@ class HierarchicalState(HookState):
     ``state_dict()`` holds ``ranks_per_node`` and the inner state's ``state_dict()`` (the inner state must
     have one, or be stateless); a checkpoint is refused at another world size or ``ranks_per_node``.
     """
+
+    options_class = HierarchicalOptions
 
     def __init__(
         self,
@@ -172,38 +185,39 @@ class HierarchicalState(HookState):
                 f"{comm.group_size(bound)} ranks, but it runs on the group of the node leaders, which is created "
                 "at the first call: build the inner state with process_group=None"
             )
-        if ranks_per_node is not None:
-            _check_ranks_per_node(ranks_per_node, "ranks_per_node")
+        self._set_options((), {"ranks_per_node": ranks_per_node})
         self.process_group = process_group
         self.inner_hook = inner_hook
         self.inner = f"{getattr(unwrapped, '__module__', '?')}.{name}"  # a plain value: ranks must agree on it
         self.inner_state = None if isinstance(inner_state, ProcessGroup) else inner_state
-        self.ranks_per_node = ranks_per_node
         self._inner_options = _options_of(self.inner_state)
         self._loaded_ranks_per_node: int | None = None
-        self._reset_runtime()
+        self.reset_runtime()
 
     def comm_hook_fingerprint(self) -> str:
         """What the ranks must agree on (gradcomm's DDP compares it at registration): the inner hook, the
         topology and the inner state's options as built. Not the inner state's counters, which advance on the
         leaders only (a state loaded from a checkpoint differs between leaders and the other ranks). The inner
-        hook is described through its wrappers (``fp16_compress_wrapper(powerSGD_hook)`` names both)."""
+        hook is described through its wrappers (``fp16_compress_wrapper(powerSGD_hook)`` names both). See
+        :class:`gradcomm.hooks.protocols.Fingerprinted`."""
         inner = describe_hook(self.inner_hook)
-        return f"HierarchicalState(inner={inner}, ranks_per_node={self.ranks_per_node}, inner state {self._inner_options})"
+        return f"HierarchicalState(inner={inner}, {options_text(self.options())}, inner state {self._inner_options})"
 
-    def _reset_runtime(self) -> None:
-        self._topology: _Topology | None = None
-        self._inner_bound: Any = None  # what the inner hook gets as its state on a leader
-        self._inner_launcher = OrderedLauncher()
-        self._broadcast_launcher = OrderedLauncher()
+    def reset_runtime(self, loaded: bool = False) -> None:
+        """Start without topology, groups (created at the next call) or launchers; a state loaded in place keeps
+        its own, created by every rank together and still valid (the checkpoint's topology is checked against
+        them)."""
+        if not (loaded and "_runtime" in self.__dict__):
+            self._runtime = _Runtime()
 
     # -- topology and groups, on first use --------------------------------------------------------------
     def topology(self) -> _Topology:
         """This rank's node, leader and groups; the first call checks the topology and creates the groups
         (a collective of every rank of the default group)."""
-        if self._topology is None:
-            self._topology = self._make_topology()
-        return self._topology
+        runtime = self._runtime
+        if runtime.topology is None:
+            runtime.topology = self._make_topology()
+        return runtime.topology
 
     def _make_topology(self) -> _Topology:
         if not dist.is_initialized():
@@ -254,16 +268,16 @@ class HierarchicalState(HookState):
     def _bind_inner(self, group: ProcessGroup | None) -> None:
         """Attach the inner state to ``group``, the inter-node group (``None``: the default group)."""
         if self.inner_state is None:
-            self._inner_bound = group
+            self._runtime.inner_bound = group
         else:
             self.inner_state.process_group = group
-            self._inner_bound = self.inner_state
+            self._runtime.inner_bound = self.inner_state
 
     def run_inner(self, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         """Run the inner hook on ``bucket`` (a leader's, holding the node average) among the leaders."""
         name = hook_name(self.inner_hook)
         try:
-            future = self.inner_hook(self._inner_bound, bucket)
+            future = self.inner_hook(self._runtime.inner_bound, bucket)
         except Exception as exc:
             raise RuntimeError(
                 f"hierarchical_hook: inner hook {name} raised on bucket {bucket.index()} on node leader rank "
@@ -278,7 +292,7 @@ class HierarchicalState(HookState):
 
     # -- checkpointing: the inner state's own dict; groups and launchers are rebuilt ----------------------
     def _plain_state(self) -> dict[str, Any]:
-        topology = self._topology
+        topology = self._runtime.topology
         resolved = self.ranks_per_node if topology is None or topology.solo else topology.ranks_per_node
         return {"ranks_per_node": resolved, "inner": self._inner_state_dict()}
 
@@ -298,7 +312,7 @@ class HierarchicalState(HookState):
 
     def _restore_plain_state(self, state: dict[str, Any]) -> None:
         saved = state.get("ranks_per_node")
-        topology = self._topology
+        topology = self._runtime.topology
         if saved is not None and topology is not None and not topology.solo and saved != topology.ranks_per_node:
             raise ValueError(_moved_message(saved, topology.ranks_per_node))
         inner = state.get("inner")
@@ -321,35 +335,25 @@ class HierarchicalState(HookState):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for runtime in ("_topology", "_inner_bound", "_inner_launcher", "_broadcast_launcher"):
-            state.pop(runtime, None)
-        if self._topology is not None and not self._topology.solo:
-            state["_loaded_ranks_per_node"] = self._topology.ranks_per_node
+        topology = self._runtime.topology
+        if topology is not None and not topology.solo:
+            state["_loaded_ranks_per_node"] = topology.ranks_per_node
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._reset_runtime()
 
 
 _PLAIN = (bool, int, float, str, type(None))
 
 
 def _options_of(inner_state: Any) -> str:
-    """The inner state's public plain attributes, as built: its options (and its counters, still at zero)."""
+    """The inner state's options: its options dataclass where it declares one, else its public plain attributes
+    as built (its options, and its counters, still at zero)."""
     if inner_state is None:
         return "None (a stateless hook)"
+    if isinstance(inner_state, HookState) and inner_state.options_class is not None:
+        return f"{type(inner_state).__qualname__}({options_text(inner_state.options())})"
     attributes = getattr(inner_state, "__dict__", {})
     plain = [f"{k}={v!r}" for k, v in sorted(attributes.items()) if not k.startswith("_") and isinstance(v, _PLAIN)]
     return f"{type(inner_state).__qualname__}({', '.join(plain)})"
-
-
-def _check_ranks_per_node(value: Any, source: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"HierarchicalState: {source} must be an integer, got {value!r}")
-    if value < 1:
-        raise ValueError(f"HierarchicalState: {source} must be at least 1, got {value}")
-    return value
 
 
 def _moved_message(saved: int, current: int) -> str:
@@ -373,7 +377,8 @@ def _local_ranks_per_node(explicit: int | None, rank: int, world_size: int) -> i
                 f"which sets {_ENV}"
             )
         try:
-            ranks_per_node = _check_ranks_per_node(int(text), _ENV)
+            ranks_per_node = int(text)
+            HierarchicalOptions(ranks_per_node)  # at least 1
         except ValueError:
             raise ValueError(
                 f"HierarchicalState: {_ENV}={text!r} on rank {rank} is not a positive integer; pass "
@@ -473,17 +478,17 @@ def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torc
             done.value()  # the reduce writes into the buffer the broadcast receives into
             return lambda: comm.broadcast(buffer, leader, group)
 
-        return state._broadcast_launcher.launch_after(node_mean, receive, device)
+        return state._runtime.broadcast_launcher.launch_after(node_mean, receive, device)
 
     def run_inner(done: torch.futures.Future[torch.Tensor]) -> Any:
         done.value()
         return lambda: state.run_inner(bucket)
 
-    inner = state._inner_launcher.launch_after(node_mean, run_inner, device)
+    inner = state._runtime.inner_launcher.launch_after(node_mean, run_inner, device)
     name, index = hook_name(state.inner_hook), bucket.index()
 
     def send(done: torch.futures.Future[Any]) -> Any:
         result = _result_tensor(done.value(), buffer, name, index)
         return lambda: comm.broadcast(result, leader, group)
 
-    return state._broadcast_launcher.launch_after(inner, send, device)
+    return state._runtime.broadcast_launcher.launch_after(inner, send, device)

@@ -43,7 +43,8 @@ from torch.distributed import ProcessGroup
 
 from gradcomm import comm
 from gradcomm.comm.faults import derived_group_timeout
-from gradcomm.hooks.hook_state import HookState, _group_ranks
+from gradcomm.hooks.hook_state import HookState, _group_ranks, takes_options
+from gradcomm.hooks.options import PostLocalSGDOptions
 
 logger = logging.getLogger(__name__)
 
@@ -98,27 +99,21 @@ class PostLocalSGDState(HookState):
     bucket of each iteration and stops there, as in torch).
     """
 
+    options_class = PostLocalSGDOptions
+
+    @takes_options(PostLocalSGDOptions)
     def __init__(
-        self,
-        process_group: ProcessGroup | None,
-        subgroup: ProcessGroup | None,
-        start_localSGD_iter: int,
-        post_local_gradient_allreduce: bool = True,
+        self, process_group: ProcessGroup | None, subgroup: ProcessGroup | None, *options: Any, **named: Any
     ) -> None:
-        if isinstance(start_localSGD_iter, bool) or not isinstance(start_localSGD_iter, int):
-            raise TypeError(f"PostLocalSGDState: start_localSGD_iter must be an integer, got {start_localSGD_iter!r}")
-        if start_localSGD_iter < 0:
-            raise ValueError(f"PostLocalSGDState: start_localSGD_iter must be >= 0, got {start_localSGD_iter}")
+        self._set_options(options, named)
         if subgroup is not None and not isinstance(subgroup, ProcessGroup):
             raise TypeError(
                 f"PostLocalSGDState: subgroup must be a ProcessGroup or None (the intra-node subgroup), got "
                 f"{subgroup!r}"
             )
-        logger.info("Local SGD will be started after %s iterations", start_localSGD_iter)
+        logger.info("Local SGD will be started after %s iterations", self.start_localSGD_iter)
         self.process_group = process_group
         self.subgroup = subgroup
-        self.start_localSGD_iter = start_localSGD_iter
-        self.post_local_gradient_allreduce = post_local_gradient_allreduce
         self.iter = 0
 
     def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
@@ -213,4 +208,4 @@ def _in_local_phase(state: PostLocalSGDState) -> bool:
     return state.iter >= state.start_localSGD_iter
 
 
-post_localSGD_hook.replicas_may_differ = _in_local_phase  # type: ignore[attr-defined]
+post_localSGD_hook.replicas_may_differ = _in_local_phase  # type: ignore[attr-defined]  # see hooks.protocols

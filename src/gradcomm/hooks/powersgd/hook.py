@@ -39,7 +39,7 @@ def _end_call(state: PowerSGDState, bucket: dist.GradBucket) -> None:
     """Count the iteration; the last bucket's call returns once the iteration's collectives are launched."""
     state.maybe_increase_iter(bucket)
     if bucket.is_last():
-        state._launcher.wait_until_launched()
+        state._runtime.launcher.wait_until_launched()
 
 
 def _coalesces(world_size: int) -> bool:
@@ -59,7 +59,7 @@ def _allreduce_mean(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futu
     buffer = bucket.buffer()
     group = state.process_group
     buffer.div_(comm.group_size(group))
-    future = state._launcher.launch(lambda: comm.all_reduce(buffer, group), buffer.device)
+    future = state._runtime.launcher.launch(lambda: comm.all_reduce(buffer, group), buffer.device)
     _end_call(state, bucket)
     return future
 
@@ -70,7 +70,7 @@ def _sum_p_then_q(
     """Sum ``p`` over the ranks, then run ``compute_q`` (orthonormalize P, ``Q = M^T P`` into ``q``) and sum
     ``q``; the future completes with the summed ``q``. Both collectives keep their place in the launch order.
     """
-    launcher, group = state._launcher, state.process_group
+    launcher, group = state._runtime.launcher, state.process_group
     p_summed = launcher.launch(lambda: comm.all_reduce(p, group), p.device)
 
     def after_p(fut: torch.futures.Future[torch.Tensor]) -> Callable[[], torch.futures.Future[torch.Tensor]]:
@@ -186,10 +186,10 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
         return _allreduce_mean(state, bucket)
 
     buffer = bucket.buffer()
-    bound, fresh_error, fresh = state._buckets.get(keys), False, False
+    bound, fresh_error, fresh = state._runtime.buckets.get(keys), False, False
     if bound is None:
         bound, fresh_error, fresh = _bind(state, bucket, keys)
-        state._buckets[keys] = bound
+        state._runtime.buckets[keys] = bound
     end_of_bucket(state, bucket)
     plan = bound.plan
     count(state, bucket, plan.numel_before, plan.numel_after)
@@ -221,7 +221,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     pending: list[torch.futures.Future[torch.Tensor]] = []
     if uncompressed is not None and not coalesced:
         group = state.process_group
-        pending.append(state._launcher.launch(lambda: comm.all_reduce(uncompressed, group), buffer.device))
+        pending.append(state._runtime.launcher.launch(lambda: comm.all_reduce(uncompressed, group), buffer.device))
     if plan.batches:
         epsilon = state.orthogonalization_epsilon  # the closures below must not hold the state (see comm.launcher)
 
@@ -315,10 +315,10 @@ def batched_powerSGD_hook(
         return _allreduce_mean(state, bucket)
 
     buffer = bucket.buffer()
-    bound, fresh_error, fresh = state._buckets.get(keys), False, False
+    bound, fresh_error, fresh = state._runtime.buckets.get(keys), False, False
     if bound is None:
         bound, fresh_error, fresh = _bind_square(state, bucket, keys)
-        state._buckets[keys] = bound
+        state._runtime.buckets[keys] = bound
     end_of_bucket(state, bucket)
     length, side, rank = buffer.numel(), bound.side, bound.rank
     count(state, bucket, length, 2 * side * rank)

@@ -10,8 +10,10 @@ entries are gathered into that bucket's flat tensor, once.
 The state also owns the :class:`~gradcomm.comm.launcher.OrderedLauncher` that orders its hooks' collectives.
 """
 
+import dataclasses
 import logging
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,7 +22,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from gradcomm.comm.launcher import OrderedLauncher
-from gradcomm.hooks.hook_state import HookState
+from gradcomm.hooks.hook_state import HookState, takes_options
+from gradcomm.hooks.options import PowerSGDOptions, saved_option_names
 from gradcomm.hooks.parameter_keys import Key, ParameterKeys, SavedKeyCheck
 
 __all__ = ["BucketKeys", "Layout", "PowerSGDState", "count", "describe", "layout_of"]
@@ -31,16 +34,6 @@ Shape = tuple[int, ...]
 Layout = tuple[Shape, ...]
 BucketKeys = tuple[Key, ...]
 
-_HYPERPARAMETERS = (
-    "matrix_approximation_rank",
-    "start_powerSGD_iter",
-    "min_compression_rate",
-    "use_error_feedback",
-    "warm_start",
-    "orthogonalization_epsilon",
-    "compression_stats_logging_frequency",
-    "batch_tensors_with_same_shape",
-)
 _COUNTERS = ("iter", "total_numel_before_compression", "total_numel_after_compression", "next_stats_report")
 _BUFFERS = ("error_dict", "q_memory_dict", "parameter_shapes")
 _BUCKET_BUFFERS = ("bucket_q_memory_dict", "bucket_padding_error_dict")
@@ -52,6 +45,19 @@ DEFAULT_GROUP_NOTE = (
     + " " * 16
     + "If a different group is desired, please set `self.process_group` after PowerSGD state is loaded."
 )
+
+
+@dataclass
+class _Runtime:
+    """What a PowerSGD state holds for this process only, rebuilt by :meth:`PowerSGDState.reset_runtime`."""
+
+    check: SavedKeyCheck | None  # a loaded state's check of the first buckets against the saved shapes
+    launcher: OrderedLauncher = field(default_factory=OrderedLauncher)
+    keys: ParameterKeys = field(default_factory=ParameterKeys)
+    iteration_keys: list[BucketKeys] = field(default_factory=list)  # the buckets seen so far in this iteration
+    buckets: dict[BucketKeys, Any] = field(default_factory=dict)  # the hook's bindings of buffers to buckets
+    owner: dict[Key, BucketKeys] = field(default_factory=dict)
+    reinit_logged: bool = False
 
 
 class PowerSGDState(HookState):
@@ -89,70 +95,14 @@ class PowerSGDState(HookState):
     three ranks on any sum, depend on the buckets. torch's DDP cannot adopt a layout.
     """
 
-    def __init__(
-        self,
-        process_group: ProcessGroup | None,
-        matrix_approximation_rank: int = 1,
-        start_powerSGD_iter: int = 1_000,
-        min_compression_rate: float = 2,
-        use_error_feedback: bool = True,
-        warm_start: bool = True,
-        orthogonalization_epsilon: float = 0,
-        random_seed: int = 0,
-        compression_stats_logging_frequency: int = 10_000,
-        batch_tensors_with_same_shape: bool = False,
-    ) -> None:
-        # Checked here, before any rank trains: the registry and `gradcomm bench` build a state without a
-        # process group to refuse bad values up front, so this is the one place that knows the valid ranges.
-        whole = {
-            "matrix_approximation_rank": matrix_approximation_rank,
-            "start_powerSGD_iter": start_powerSGD_iter,
-            "random_seed": random_seed,
-            "compression_stats_logging_frequency": compression_stats_logging_frequency,
-        }
-        for name, value in whole.items():
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"PowerSGDState: {name} must be an integer, got {value!r}")
-        if matrix_approximation_rank < 1:
-            raise ValueError(
-                f"PowerSGDState: matrix_approximation_rank must be at least 1, got {matrix_approximation_rank}"
-            )
-        if start_powerSGD_iter < 0:
-            raise ValueError(f"PowerSGDState: start_powerSGD_iter must be at least 0, got {start_powerSGD_iter}")
-        if not min_compression_rate >= 0:
-            raise ValueError(
-                f"PowerSGDState: min_compression_rate must be a number >= 0 (0: compress every matrix), got "
-                f"{min_compression_rate!r}"
-            )
-        if not 0 <= orthogonalization_epsilon < math.inf:
-            raise ValueError(
-                f"PowerSGDState: orthogonalization_epsilon must be a finite number >= 0, got "
-                f"{orthogonalization_epsilon!r}"
-            )
-        if not 0 <= random_seed < 2**32:
-            raise ValueError(f"PowerSGDState: random_seed must be in 0..2**32-1 (NumPy's range), got {random_seed}")
-        if compression_stats_logging_frequency < 0:
-            raise ValueError(
-                "PowerSGDState: compression_stats_logging_frequency must be >= 0 (0 and 1 both log every "
-                f"iteration), got {compression_stats_logging_frequency}"
-            )
-        if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
-            raise ValueError(
-                "Expect `start_powerSGD_iter` > 1 if `use_error_feedback` or `warm_start` is enabled, "
-                "because PowerSGD can only be applied after the first two iterations in DDP "
-                f"(got start_powerSGD_iter={start_powerSGD_iter}): DDP rebuilds its buckets after the first "
-                "iteration, which would invalidate per-bucket error-feedback and warm-start buffers."
-            )
+    options_class = PowerSGDOptions
+
+    @takes_options(PowerSGDOptions)
+    def __init__(self, process_group: ProcessGroup | None, *options: Any, **named: Any) -> None:
         self.process_group = process_group
-        self.matrix_approximation_rank = matrix_approximation_rank
-        self.start_powerSGD_iter = start_powerSGD_iter
-        self.min_compression_rate = min_compression_rate
-        self.use_error_feedback = use_error_feedback
-        self.warm_start = warm_start
-        self.orthogonalization_epsilon = orthogonalization_epsilon
-        self.compression_stats_logging_frequency = max(1, compression_stats_logging_frequency)
-        self.batch_tensors_with_same_shape = batch_tensors_with_same_shape
-        self.rng = np.random.RandomState(random_seed)
+        self._set_options(options, named)
+        self.compression_stats_logging_frequency = max(1, self.compression_stats_logging_frequency)
+        self.rng = np.random.RandomState(self.random_seed)
         self.error_dict: dict[Key, torch.Tensor] = {}
         self.q_memory_dict: dict[Key, torch.Tensor] = {}
         self.parameter_shapes: dict[Key, Shape] = {}
@@ -163,36 +113,30 @@ class PowerSGDState(HookState):
         self.total_numel_before_compression = 0
         self.total_numel_after_compression = 0
         self.next_stats_report = 0
-        self._launcher = OrderedLauncher()
-        self._reset_runtime(check=False)
-        logger.info(
-            "PowerSGD config: %s; random_seed = %s",
-            "; ".join(f"{name} = {getattr(self, name)}" for name in _HYPERPARAMETERS),
-            random_seed,
-        )
+        self.reset_runtime()
+        options = dataclasses.asdict(self.options())
+        logger.info("PowerSGD config: %s", "; ".join(f"{name} = {value}" for name, value in options.items()))
 
-    def _reset_runtime(self, check: bool) -> None:
-        """Forget what belongs to this process (keys, bound buffers); ``check`` the next buckets against the
-        saved parameter shapes, for a state just loaded."""
-        self._keys = ParameterKeys()
-        self._iteration_keys: list[BucketKeys] = []  # the buckets seen so far in this iteration
-        self._buckets: dict[BucketKeys, Any] = {}
-        self._owner: dict[Key, BucketKeys] = {}
-        self._reinit_logged = False
-        self._check = SavedKeyCheck("PowerSGDState", self.parameter_shapes) if check else None
+    def reset_runtime(self, loaded: bool = False) -> None:
+        """Forget the keys and the buffers bound to buckets; for a state just ``loaded``, check the next buckets
+        against the saved parameter shapes. A state loaded in place keeps its launcher (its order goes on)."""
+        existing: _Runtime | None = self.__dict__.get("_runtime")
+        check = SavedKeyCheck("PowerSGDState", self.parameter_shapes) if loaded else None
+        self._runtime = _Runtime(check) if existing is None else _Runtime(check, launcher=existing.launcher)
 
     def keys(self, bucket: dist.GradBucket) -> BucketKeys:
         """The keys of ``bucket``'s parameters in this state (see :mod:`gradcomm.hooks.parameter_keys`)."""
-        return self._keys.of(bucket)
+        return self._runtime.keys.of(bucket)
 
     def note_bucket(self, bucket: dist.GradBucket) -> BucketKeys:
         """The keys of ``bucket``'s parameters, recorded in :attr:`bucket_layout` once its iteration is whole."""
-        keys = self._keys.of(bucket)
+        runtime = self._runtime
+        keys = runtime.keys.of(bucket)
         if bucket.index() == 0:
-            self._iteration_keys = []
-        self._iteration_keys.append(keys)
+            runtime.iteration_keys = []
+        runtime.iteration_keys.append(keys)
         if bucket.is_last():
-            self.bucket_layout, self._iteration_keys = self._iteration_keys, []
+            self.bucket_layout, runtime.iteration_keys = runtime.iteration_keys, []
         return keys
 
     def compression_stats(self) -> tuple[float, int, int]:
@@ -212,25 +156,21 @@ class PowerSGDState(HookState):
             logger.info("Start to apply PowerSGD after %s iterations.", self.iter)
 
     # -- checkpointing ------------------------------------------------------------------------------------
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        for runtime in ("_launcher", "_keys", "_iteration_keys", "_buckets", "_owner", "_reinit_logged", "_check"):
-            state.pop(runtime, None)
-        return state
-
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "bucket_layouts" in state:
             raise ValueError(_older_gradcomm("a pickled PowerSGDState"))
-        self._launcher = OrderedLauncher()
         logger.warning(DEFAULT_GROUP_NOTE)
-        super().__setstate__(state)
-        self.__dict__.setdefault("bucket_layout", None)  # pickled before the layout was recorded
-        self._reset_runtime(check=True)
+        super().__setstate__({"bucket_layout": None, **state})  # pickled before the layout was recorded: none
+
+    def _saved_options(self) -> tuple[str, ...]:
+        """The options a state dict holds: every field of the options dataclass but the seed, whose generator's
+        state is saved instead."""
+        return saved_option_names(self.options_class)
 
     def _plain_state(self) -> dict[str, Any]:
         _, keys, pos, has_gauss, cached_gaussian = self.rng.get_state()
         return {
-            **{name: getattr(self, name) for name in _HYPERPARAMETERS + _COUNTERS},
+            **{name: getattr(self, name) for name in (*self._saved_options(), *_COUNTERS)},
             "error_dict": dict(self.error_dict),
             "q_memory_dict": dict(self.q_memory_dict),
             "parameter_shapes": {key: list(shape) for key, shape in self.parameter_shapes.items()},
@@ -250,22 +190,25 @@ class PowerSGDState(HookState):
     def _restore_plain_state(self, state: dict[str, Any]) -> None:
         if "bucket_layouts" in state:
             raise ValueError(_older_gradcomm("PowerSGDState.load_state_dict: this state dict"))
-        expected = set(_HYPERPARAMETERS + _COUNTERS + _BUFFERS + _BUCKET_BUFFERS) | {"rng_state", "bucket_layout"}
-        if set(state) | {"bucket_layout"} != expected:  # saved before the layout was recorded: none
+        options = self._saved_options()
+        expected = {*options, *_COUNTERS, *_BUFFERS, *_BUCKET_BUFFERS, "rng_state", "bucket_layout"}
+        # saved before the layout was recorded, or before an option was added: those keep their values here
+        if set(state) | {"bucket_layout", *options} != expected:
             raise ValueError(
                 "PowerSGDState.load_state_dict: not a PowerSGDState state dict; "
                 f"missing keys {sorted(expected - set(state))}, unexpected keys {sorted(set(state) - expected)}"
             )
+        saved_options = [name for name in options if name in state]
         changed = [
             f"{name} {getattr(self, name)} -> {state[name]}"
-            for name in _HYPERPARAMETERS
+            for name in saved_options
             if getattr(self, name) != state[name]
         ]
         if changed:
             logger.warning(
                 "PowerSGDState.load_state_dict: options taken from the checkpoint: %s", "; ".join(changed)
             )
-        for name in _HYPERPARAMETERS + _COUNTERS:
+        for name in (*saved_options, *_COUNTERS):
             setattr(self, name, state[name])
         self.error_dict = {key: tensor.clone() for key, tensor in state["error_dict"].items()}
         self.q_memory_dict = {key: tensor.clone() for key, tensor in state["q_memory_dict"].items()}
@@ -287,7 +230,6 @@ class PowerSGDState(HookState):
                 rng_state["cached_gaussian"],
             )
         )
-        self._reset_runtime(check=True)
 
 
 def _older_gradcomm(what: str) -> str:
@@ -316,20 +258,22 @@ def claim(state: PowerSGDState, keys: BucketKeys, layout: Layout) -> None:
     A bucket whose parameters were held by another bucket (before DDP rebuilt its buckets, or in the saved
     run) takes their entries over; that other bucket's binding is dropped and would be bound again.
     """
-    if state._check is not None:
-        state._check.check_bucket(keys, layout)
+    runtime = state._runtime
+    if runtime.check is not None:
+        runtime.check.check_bucket(keys, layout)
     for key, shape in zip(keys, layout, strict=True):
-        previous = state._owner.get(key)
+        previous = runtime.owner.get(key)
         if previous is not None and previous != keys:
-            state._buckets.pop(previous, None)
-        state._owner[key] = keys
+            runtime.buckets.pop(previous, None)
+        runtime.owner[key] = keys
         state.parameter_shapes[key] = shape
 
 
 def end_of_bucket(state: PowerSGDState, bucket: dist.GradBucket) -> None:
     """After a compressed bucket: once a loaded state has met a whole iteration, refuse what no bucket held."""
-    if state._check is not None and bucket.is_last():
-        check, state._check = state._check, None
+    runtime = state._runtime
+    if runtime.check is not None and bucket.is_last():
+        check, runtime.check = runtime.check, None
         check.end_iteration()
 
 
@@ -396,8 +340,8 @@ def batched_q(state: PowerSGDState, keys: BucketKeys, numel: int, like: torch.Te
         if saved.device != like.device or saved.dtype != like.dtype:
             saved = state.bucket_q_memory_dict[keys] = saved.to(like.device, like.dtype)
         return saved, False
-    if state.bucket_q_memory_dict and not state._reinit_logged:
-        state._reinit_logged = True
+    if state.bucket_q_memory_dict and not state._runtime.reinit_logged:
+        state._runtime.reinit_logged = True
         logger.info(
             "batched_powerSGD_hook: a bucket holds parameters (%s) in a combination or order no warm-start Q "
             "was kept for (DDP buckets differently than when the state was saved); its Q starts afresh, as "
