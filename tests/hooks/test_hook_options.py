@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from gradcomm.ddp.agreement import describe_state
 from gradcomm.hooks import registry
 from gradcomm.hooks.auto_hook import AutoHookState
+from gradcomm.hooks.fingerprint import describe_state
 from gradcomm.hooks.hierarchical_hook import HierarchicalState
 from gradcomm.hooks.hook_specs import HookSpec, Option, options_of
 from gradcomm.hooks.hook_state import HookState

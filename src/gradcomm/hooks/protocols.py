@@ -7,12 +7,12 @@ a type checker can check a hook written against it, and so that the contract is 
 * :class:`DeclaresReplicasMayDiffer`: a *hook* whose replicas differ on purpose (no communication, local SGD
   between model averagings); read by :func:`gradcomm.hooks.contract.replicas_may_differ`.
 * :class:`Fingerprinted`: a *state* saying itself what the ranks must agree on; read by the DDP's check at
-  registration (``gradcomm.ddp.agreement.describe_state``). Without it, the state's public plain attributes
+  registration (``gradcomm.hooks.fingerprint.describe_state``). Without it, the state's public plain attributes
   are compared. :class:`~gradcomm.hooks.hook_state.HookState` subclasses derive it from their options.
 * :class:`ReportsCommStats`: a *state* adding its own report to ``comm_stats().hook_details``
-  (``gradcomm.ddp.telemetry``); the ``auto`` hook reports its phase, choice and link.
+  (``gradcomm.comm.telemetry``); the ``auto`` hook reports its phase, choice and link.
 * :class:`Checkpointable`: a *state* saved and restored by ``state_dict()``/``load_state_dict()``
-  (``gradcomm.ddp.checkpoint``, ``HierarchicalState``'s inner state, ``auto``'s chosen candidate).
+  (``gradcomm.checkpoint``, ``HierarchicalState``'s inner state, ``auto``'s chosen candidate).
 
 The lifecycle of gradcomm's own states (options dataclass, runtime, checkpoints) is described in
 :mod:`gradcomm.hooks.hook_state`.
