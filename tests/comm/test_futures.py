@@ -8,10 +8,12 @@ hooks diverged replicas before it was); here, what holds on every device: order,
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 
+import gradcomm.comm.futures as futures_module
 from gradcomm.comm.futures import future_of_works, when_all
 
 CPU = torch.device("cpu")
@@ -72,6 +74,13 @@ def _waiters() -> int:
     return sum(thread.name == "gradcomm-waiter" for thread in threading.enumerate())
 
 
+def _until_a_waiter_is_idle(timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while futures_module._WAITERS._idle == 0:
+        assert time.monotonic() < deadline, "no waiter thread became idle"
+        time.sleep(0.001)
+
+
 @pytest.mark.timeout(60)
 def test_future_of_works_completes_once_every_work_is_done_and_reuses_its_thread() -> None:
     for _ in range(3):
@@ -82,12 +91,14 @@ def test_future_of_works_completes_once_every_work_is_done_and_reuses_its_thread
         assert not future.done()
         works[0].finish()
         assert future.wait() is result
+    _until_a_waiter_is_idle()
     idle = _waiters()
     for _ in range(5):  # one at a time: an idle thread takes each, none is added
         works = [_Work()]
         future = future_of_works(works, None)
         works[0].finish()
         future.wait()
+        _until_a_waiter_is_idle()  # the future completes inside the job, just before its thread is idle again
     assert _waiters() == idle, (idle, _waiters())
 
 
