@@ -13,8 +13,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from gradcomm import comm
 from gradcomm.ddp.agreement import broadcast_coalesced, check_same_parameters
 from gradcomm.ddp.telemetry import CommStats
+from gradcomm.diloco.buffers import average_buffers
 from gradcomm.diloco.exchange import FragmentExchange, PendingExchange
 from gradcomm.diloco.fragments import Fragment, split_into_fragments
 from gradcomm.diloco.groups import across_nodes_group, unwrap_ddp
@@ -66,12 +68,12 @@ class DiLoCo:
         self,
         model: nn.Module,
         inner_optimizer: torch.optim.Optimizer,
-        sync_every: int = 100,
+        sync_every: int = 50,
         fragments: int = 1,
         overlap: int = 0,
         *,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
         nesterov: bool = True,
         outer_optimizer: OuterFactory | None = None,
         compressor: Compressor = None,
@@ -105,9 +107,12 @@ class DiLoCo:
         self._runners = FragmentRunners(
             _WHO, fragments, compressor, process_group, self._setup(outer_optimizer)
         )
+        self._buffers = list(module.named_buffers())
         broadcast_coalesced(
-            [p for _, p in named], process_group if process_group is not None else dist.group.WORLD
+            [p for _, p in named] + [b for _, b in self._buffers],
+            process_group if process_group is not None else dist.group.WORLD,
         )
+        self._synced_buffers = {name: b.detach().clone() for name, b in self._buffers}
         self.anchors: list[list[torch.Tensor]] = [
             [_anchor(p, anchor_device) for p in fragment.params] for fragment in self.fragments
         ]
@@ -181,7 +186,12 @@ class DiLoCo:
         stats = self._runners.stats
         stats.begin_step()
         world = dist.get_world_size(self.group)
+        buffers = None
+        if index == 0 and self._buffers:
+            with comm.counting_into(stats.traffic):
+                buffers = average_buffers(self._buffers, self.group, self.inner_steps)
         self._pending[index] = self._exchanges[index].launch(self._runners[index], self.inner_steps, world)
+        self._pending[index].buffers = buffers
         stats.end_step()
 
     def _apply(self, index: int) -> None:
@@ -200,15 +210,20 @@ class DiLoCo:
                     param.copy_(anchor)
                 else:
                     param.lerp_(anchor.to(param.device), 1.0 - self.mixing)
+            if pending.buffers is not None:
+                for name, buffer in self._buffers:
+                    buffer.copy_(pending.buffers[name])
+                self._synced_buffers = pending.buffers
         del self._pending[index]
         self._synced_at[index] = self.inner_steps
         self.synced_steps += 1
         if self.check_replicas and self.mixing == 0.0 and not self._runners[index].replicas_may_differ():
             self._settle()
             when = f"right after outer sync {self.synced_steps} (fragment {index}, inner step {self.inner_steps}),"
-            check_same_parameters(
-                list(zip(fragment.names, fragment.params, strict=True)), self.group, _WHO, when
-            )
+            named = list(zip(fragment.names, fragment.params, strict=True))
+            if pending.buffers is not None:
+                named += self._buffers
+            check_same_parameters(named, self.group, _WHO, when)
 
     def wait_pending(self) -> None:
         """Apply every outer update still in flight now (at the end of training, with ``overlap``)."""
@@ -236,6 +251,11 @@ class DiLoCo:
             for name, anchor in zip(fragment.names, anchors, strict=True)
         }
 
+    def synced_buffers(self) -> dict[str, torch.Tensor]:
+        """The model's buffers as of the last sync of fragment 0 (floating ones averaged over the ranks, the
+        others the first rank's), by name: the same on every rank; at the start, the first rank's."""
+        return {name: buffer.clone() for name, buffer in self._synced_buffers.items()}
+
     def comm_stats(self) -> CommStats:
         """The outer exchanges' communication statistics on this rank (one ``step`` per fragment sync)."""
         return self._runners.stats
@@ -257,6 +277,7 @@ class DiLoCo:
                     "fragment": f,
                     "launched_at": p.launched_at,
                     "averaged": self._exchanges[f].collect(self._runners[f], p),
+                    "buffers": p.buffers,
                 }
                 for f, p in sorted(self._pending.items())
             ]
@@ -274,6 +295,7 @@ class DiLoCo:
             "synced_steps": self.synced_steps,
             "synced_at": list(self._synced_at),
             "anchors": self.synced_parameters(),
+            "buffers": self.synced_buffers(),
             "outer_optimizer": self.outer_optimizer.state_dict(),
             "compressor": [
                 s.state_dict() if callable(getattr(s, "state_dict", None)) else None
