@@ -42,10 +42,13 @@ class DiLoCo:
             DiLoCo works across the groups: see ``process_group``). Its parameters are broadcast from the
             group's first rank at construction, so every replica starts from the same point.
         inner_optimizer: the optimizer of the model's parameters (AdamW in the papers); :meth:`step` runs it.
-        sync_every: ``H``, the inner steps between two outer syncs of a fragment.
+        sync_every: ``H``, the inner steps between two outer syncs of a fragment (default 50: see "Defaults"
+            in :mod:`gradcomm.diloco` for how it and the outer optimizer's defaults were measured).
         fragments: Streaming DiLoCo's fragments (1: plain DiLoCo).
         overlap: inner steps an outer exchange runs behind (0: the sync blocks); less than ``sync_every``.
-        outer_lr, outer_momentum, nesterov: the default outer optimizer, SGD with Nesterov momentum.
+        outer_lr, outer_momentum, nesterov: the outer optimizer, SGD; the defaults (lr 1, no momentum) make
+            the outer step plain averaging of the replicas. The paper's is ``outer_lr=0.7, outer_momentum=0.9``
+            (with ``nesterov``, used whenever the momentum is above 0).
         outer_optimizer: instead, a factory ``anchors -> Optimizer`` (the anchors are plain tensors).
         compressor: how pseudo-gradients are reduced: ``None`` (averaging allreduce), a hook name with options
             (``"fp16_compress"``, ``"qsgd"``, ``"topk:ratio=0.01"``, see :mod:`gradcomm.hooks.registry`), a
