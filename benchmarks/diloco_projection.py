@@ -78,9 +78,13 @@ def main() -> None:
     runs = load_runs(args.folders)
     same_length = [run for run in runs if len(run["losses"]) == len(runs[0]["losses"])]
     target = choose_target(same_length)
-    print(f"Target: {target.loss:.4f} ({target.rule}); at {args.rate}, each step its compute + wire bytes / rate.")
+    print(
+        f"Target: {target.loss:.4f} ({target.rule}); at {args.rate}, each step its compute + wire bytes / rate."
+    )
     print()
-    print("| run | steps | final loss | fewer bytes than allreduce | projected s to target | allreduce / it | best per-step hook / it |")
+    print(
+        "| run | steps | final loss | fewer bytes than allreduce | projected s to target | allreduce / it | best per-step hook / it |"
+    )
     print("|---|---|---|---|---|---|---|")
     reference = next((r for r in same_length if r["hook"] == "allreduce"), None)
     to_target = {
@@ -99,11 +103,15 @@ def main() -> None:
         ratio = f"{allreduce / seconds:.1f}x" if seconds and allreduce else "-"
         against_hook = f"{best_hook / seconds:.1f}x" if seconds and best_hook else "-"
         shown = "not reached" if seconds is None else f"{seconds:.1f}"
-        print(f"| {run['label']} | {len(run['losses'])} | {loss:.3f}{relative} | {fewer:.1f}x | {shown} | {ratio} | {against_hook} |")
+        print(
+            f"| {run['label']} | {len(run['losses'])} | {loss:.3f}{relative} | {fewer:.1f}x | {shown} | {ratio} | {against_hook} |"
+        )
     print()
     print(f"Overlap at {args.rate}: mean step time against the compute step (no network).")
     print()
-    print("| run | compute ms | peak MB of one exchange | mean ms/step, exchange blocking | mean ms/step, with its overlap | over compute |")
+    print(
+        "| run | compute ms | peak MB of one exchange | mean ms/step, exchange blocking | mean ms/step, with its overlap | over compute |"
+    )
     print("|---|---|---|---|---|---|")
     for run in runs:
         if not _is_diloco(run):

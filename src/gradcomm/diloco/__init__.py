@@ -18,7 +18,8 @@ rapidly changing loss, favours a smaller ``sync_every``; a compressor (``compres
 multiplies the saving by about 8 at no measured loss.
 
 **Streaming DiLoCo** (Douillard et al. 2025, arXiv 2501.18512). ``fragments=F`` splits the parameters into
-``F`` contiguous groups (registration order, balanced by element count); fragment ``f`` syncs at the inner
+``F`` contiguous groups of whole parameters (registration order; the largest as small as any such split
+allows, as it sets the peak bytes of one exchange); fragment ``f`` syncs at the inner
 steps ``t`` with ``(t + f * H // F) % H == 0``, so the peak bandwidth falls by ``F``. ``overlap=tau`` lets an
 exchange run behind the next ``tau`` inner steps: it is launched at the sync step and its outer update applied
 ``tau`` steps later (the "eager"/overlapped variant; arXiv 2502.12996 studies the overlap). The synced
