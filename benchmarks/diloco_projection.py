@@ -17,13 +17,14 @@ seed; a label seen twice keeps its first run) and prints, at ``--rate``:
 Deterministic given the runs (the measured compute time is the only timing in it; the load on the machine
 moves it, not the bytes).
 
-    python benchmarks/diloco_projection.py OUT_4000_STEPS OUT_FRAGMENTS --rate 100mbit
+    python benchmarks/diloco_projection.py OUT_4000_STEPS OUT_FRAGMENTS --rate 100mbit [--target-loss 1.9]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -43,10 +44,12 @@ def load_runs(folders: list[Path]) -> list[dict[str, Any]]:
     return list(runs.values())
 
 
-def overlapped_step_seconds(run: dict[str, Any], rate_bps: float, overlap: int) -> list[float]:
-    """Each step's time when the exchange launched after step ``s`` is waited for after step ``s + overlap``
-    (``overlap`` 0: at once, the bench's projection), the link carrying one exchange at a time."""
-    compute = run["compute_seconds"]
+def overlapped_step_seconds(
+    run: dict[str, Any], rate_bps: float, overlap: int, compute: float
+) -> list[float]:
+    """Each step's time (``compute`` seconds of it without the network) when the exchange launched after step
+    ``s`` is waited for after step ``s + overlap`` (``overlap`` 0: at once, the bench's projection), the link
+    carrying one exchange at a time."""
     now, link_free = 0.0, 0.0
     due: dict[int, float] = {}
     times = []
@@ -73,11 +76,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="+", type=Path, help="gradcomm bench output folders")
     parser.add_argument("--rate", default="100mbit", help="link rate, e.g. 100mbit")
+    parser.add_argument(
+        "--target-loss", type=float, help="the smoothed training loss to reach (default: the bench's)"
+    )
+    parser.add_argument(
+        "--compute-ms", type=float, help="the overlap table's compute step (default: each run's measured one)"
+    )
     args = parser.parse_args()
     rate = float(parse_rate(args.rate))
     runs = load_runs(args.folders)
     same_length = [run for run in runs if len(run["losses"]) == len(runs[0]["losses"])]
-    target = choose_target(same_length)
+    target = choose_target(same_length, args.target_loss)
     print(
         f"Target: {target.loss:.4f} ({target.rule}); at {args.rate}, each step its compute + wire bytes / rate."
     )
@@ -106,24 +115,28 @@ def main() -> None:
         print(
             f"| {run['label']} | {len(run['losses'])} | {loss:.3f}{relative} | {fewer:.1f}x | {shown} | {ratio} | {against_hook} |"
         )
+    missed = [label for label, seconds in to_target.items() if seconds is None]
+    if missed:
+        print(f"\nNot reaching the target within the run: {', '.join(missed)}.")
     print()
     print(f"Overlap at {args.rate}: mean step time against the compute step (no network).")
     print()
     print(
-        "| run | compute ms | peak MB of one exchange | mean ms/step, exchange blocking | mean ms/step, with its overlap | over compute |"
+        "| run | compute ms | peak MB of one exchange | mean ms/step, exchange blocking | mean ms/step, with its overlap | over compute | overlap that hides one exchange |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for run in runs:
         if not _is_diloco(run):
             continue
         overlap = int(run["options"].get("overlap", 0))
-        compute = 1e3 * run["compute_seconds"]
-        blocking = 1e3 * statistics.fmean(overlapped_step_seconds(run, rate, 0))
-        overlapped = 1e3 * statistics.fmean(overlapped_step_seconds(run, rate, overlap))
+        compute = run["compute_seconds"] if args.compute_ms is None else args.compute_ms / 1e3
+        blocking = 1e3 * statistics.fmean(overlapped_step_seconds(run, rate, 0, compute))
+        overlapped = 1e3 * statistics.fmean(overlapped_step_seconds(run, rate, overlap, compute))
         peak = max(run["bytes_per_step"]) / 1e6
+        hiding = math.ceil(8 * max(run["wire_bytes_per_step"]) / rate / compute)
         print(
-            f"| {run['label']} | {compute:.1f} | {peak:.3f} | {blocking:.1f} | {overlapped:.1f} | "
-            f"{100 * (overlapped / compute - 1):+.1f}% |"
+            f"| {run['label']} | {1e3 * compute:.1f} | {peak:.3f} | {blocking:.1f} | {overlapped:.1f} | "
+            f"{100 * (overlapped / (1e3 * compute) - 1):+.1f}% | {hiding} |"
         )
 
 
