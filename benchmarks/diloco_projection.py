@@ -33,6 +33,8 @@ from gradcomm.bench.methods import method_named
 from gradcomm.bench.report import choose_target, projected_step_seconds, time_to_loss
 from gradcomm.testing.network.parsing import parse_rate
 
+_WARMUP = 10  # the bench's default --warmup: the steps a hook's median leaves out
+
 
 def load_runs(folders: list[Path]) -> list[dict[str, Any]]:
     """Rank 0's runs of every folder, first occurrence of each label kept."""
@@ -68,6 +70,13 @@ def overlapped_step_seconds(
     return times
 
 
+def _bytes_per_step(run: dict[str, Any]) -> float:
+    """As the bench reports them: a method's mean over every step, a hook's median over its steady steps."""
+    if run.get("steady_statistic", "median") == "mean":
+        return statistics.fmean(run["bytes_per_step"])
+    return statistics.median(run["bytes_per_step"][_WARMUP:])
+
+
 def _is_diloco(run: dict[str, Any]) -> bool:
     return method_named(run["hook"]) is not None
 
@@ -80,11 +89,13 @@ def main() -> None:
         "--target-loss", type=float, help="the smoothed training loss to reach (default: the bench's)"
     )
     parser.add_argument(
-        "--compute-ms", type=float, help="the overlap table's compute step (default: each run's measured one)"
+        "--compute-ms", type=float, help="every run's compute step (default: each run's measured one)"
     )
     args = parser.parse_args()
     rate = float(parse_rate(args.rate))
     runs = load_runs(args.folders)
+    if args.compute_ms is not None:  # one compute step for every run: only losses and bytes differ
+        runs = [{**run, "compute_seconds": args.compute_ms / 1e3} for run in runs]
     same_length = [run for run in runs if len(run["losses"]) == len(runs[0]["losses"])]
     target = choose_target(same_length, args.target_loss)
     print(
@@ -107,7 +118,7 @@ def main() -> None:
         seconds = to_target[run["label"]]
         loss = run["final_loss"]
         relative = f" ({100 * (loss / reference['final_loss'] - 1):+.1f}%)" if reference else ""
-        fewer = run["dense_bytes_per_step"] / max(statistics.fmean(run["bytes_per_step"]), 1e-12)
+        fewer = run["dense_bytes_per_step"] / max(_bytes_per_step(run), 1e-12)
         allreduce = to_target.get(reference["label"]) if reference else None
         ratio = f"{allreduce / seconds:.1f}x" if seconds and allreduce else "-"
         against_hook = f"{best_hook / seconds:.1f}x" if seconds and best_hook else "-"
@@ -129,7 +140,7 @@ def main() -> None:
         if not _is_diloco(run):
             continue
         overlap = int(run["options"].get("overlap", 0))
-        compute = run["compute_seconds"] if args.compute_ms is None else args.compute_ms / 1e3
+        compute = run["compute_seconds"]
         blocking = 1e3 * statistics.fmean(overlapped_step_seconds(run, rate, 0, compute))
         overlapped = 1e3 * statistics.fmean(overlapped_step_seconds(run, rate, overlap, compute))
         peak = max(run["bytes_per_step"]) / 1e6
