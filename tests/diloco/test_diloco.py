@@ -36,6 +36,20 @@ def _model() -> torch.nn.Module:
     return mlp(4, 8, 3)
 
 
+def _batch_norm_model() -> torch.nn.Module:
+    """The same layers with a batch norm in between: running statistics and a counter as buffers."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, 3)
+    )
+
+
+def _square_model() -> torch.nn.Module:
+    """Four parameters of 64 elements: ``fragments`` of 1, 2 or 4 split it into equal parts."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(8, 8, bias=False) for _ in range(4)])
+
+
 def _inner(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
 
@@ -110,6 +124,7 @@ def _against_reference(fragments: int, overlap: int, mixing: float) -> dict[str,
     synced at that step and whether the replicas were identical after it."""
     model = _model()
     options = dict(sync_every=H, fragments=fragments, overlap=overlap, mixing=mixing, anchor_device="cpu")
+    options.update(outer_lr=0.7, outer_momentum=0.9)  # the paper's Nesterov, as the reference computes
     diloco = DiLoCo(model, _inner(model), **options)
     reference = _Reference(fragments, overlap, mixing)
     out: dict[str, Any] = {"equal": [], "synced": [], "replicas_same": [], "may_differ": []}
@@ -138,20 +153,22 @@ def _train(diloco: DiLoCo, model: torch.nn.Module, first: int, last: int) -> Non
         diloco.zero_grad()
 
 
-def _resume(fragments: int, overlap: int, compressor: str | None, via_checkpoint: bool) -> dict[str, Any]:
+def _resume(
+    fragments: int, overlap: int, compressor: str | None, via_checkpoint: bool, build: Any = _model
+) -> dict[str, Any]:
     """Train STEPS steps straight, and again stopping after step 6 (mid-interval, an exchange in flight with
     ``overlap``) to resume from a ``weights_only`` state in a fresh model, inner optimizer and DiLoCo (through
     ``save_checkpoint``/``load_checkpoint`` with ``via_checkpoint``)."""
     options = dict(sync_every=H, fragments=fragments, overlap=overlap, compressor=compressor)
-    model = _model()
+    model = build()
     straight = DiLoCo(model, _inner(model), **options)
     _train(straight, model, 1, STEPS)
 
-    first = _model()
+    first = build()
     inner = _inner(first)
     interrupted = DiLoCo(first, inner, **options)
     _train(interrupted, first, 1, 6)
-    second = _model()
+    second = build()
     second_inner = _inner(second)
     if via_checkpoint:
         folder = [tempfile.mkdtemp(prefix="diloco-") if dist.get_rank() == 0 else None]
@@ -173,10 +190,66 @@ def _resume(fragments: int, overlap: int, compressor: str | None, via_checkpoint
         resumed.load_state_dict(loaded["diloco"])
     _train(resumed, second, 7, STEPS)
     return {
-        "equal": _equal(model, second),
+        "equal": _equal(model, second)
+        and all(torch.equal(a, b) for a, b in zip(model.buffers(), second.buffers(), strict=True))
+        and all(torch.equal(straight.synced_buffers()[n], b) for n, b in resumed.synced_buffers().items()),
         "synced_steps": (straight.synced_steps, resumed.synced_steps),
-        "moved": not _equal(model, _model()),
+        "moved": not _equal(model, build()),
     }
+
+
+def _buffers_at_syncs(fragments: int, overlap: int) -> dict[str, Any]:
+    """Per step: whether a sync of fragment 0 was applied, whether the buffers are then the same on every
+    rank, and whether they equal the plain mean over the ranks of the buffers at fragment 0's launch
+    (floating ones; the counter from rank 0), as do ``synced_buffers()``."""
+    model = _batch_norm_model()
+    diloco = DiLoCo(model, _inner(model), sync_every=H, fragments=fragments, overlap=overlap)
+    out: dict[str, Any] = {"start_same": _same_on_every_rank(model.buffers()), "steps": []}
+    expected: dict[str, torch.Tensor] = {}
+    for t in range(1, STEPS + 1):
+        _backward(model, t)
+        if t % H == 0:  # fragment 0 launches: its buffers' mean, computed plainly
+            floating = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
+            flat = torch.cat([b.reshape(-1) for _, b in floating])
+            dist.all_reduce(flat)
+            flat.div_(dist.get_world_size())
+            expected = dict(
+                zip([n for n, _ in floating], flat.split([b.numel() for _, b in floating]), strict=True)
+            )
+            counter = model[1].num_batches_tracked.clone()
+            dist.broadcast(counter, src=0)
+            expected["1.num_batches_tracked"] = counter
+        diloco.step()
+        diloco.zero_grad()
+        applied = t >= H + overlap and (t - overlap) % H == 0
+        buffers = dict(model.named_buffers())
+        out["steps"].append(
+            {
+                "applied": applied,
+                "same": _same_on_every_rank(model.buffers()),
+                "mean": applied
+                and all(torch.equal(buffers[n], e.view_as(buffers[n])) for n, e in expected.items()),
+                "synced": applied
+                and all(torch.equal(buffers[n], b) for n, b in diloco.synced_buffers().items()),
+            }
+        )
+    return out
+
+
+def _peak_exchange_bytes(fragments: int, compressor: str | None) -> list[int]:
+    """Bytes handed to collectives by each outer exchange over two rounds of syncs, on the square model."""
+    model = _square_model()
+    diloco = DiLoCo(model, _inner(model), sync_every=H, fragments=fragments, compressor=compressor)
+    sent = []
+    for t in range(1, 2 * H + 1):
+        before = diloco.comm_stats().total.steps
+        inputs = torch.randn(6, 8, generator=torch.Generator().manual_seed(1000 * dist.get_rank() + t))
+        model(inputs).square().mean().backward()
+        diloco.step()
+        diloco.zero_grad()
+        if diloco.comm_stats().total.steps > before:
+            sent.append(diloco.comm_stats().last.bytes_sent)
+    return sent
 
 
 def _bytes_per_sync(compressor: str | None) -> float:
@@ -208,13 +281,23 @@ def scenarios() -> dict[str, Any]:
         out[f"resume-{fragments}-{overlap}-{compressor}"] = _resume(
             fragments, overlap, compressor, compressor is not None
         )
+    out["resume-bn"] = _resume(2, 1, None, True, _batch_norm_model)
+    for fragments, overlap in [(1, 0), (2, 1)]:
+        out[f"buffers-{fragments}-{overlap}"] = _buffers_at_syncs(fragments, overlap)
+    out["peak"] = {
+        (f, c): _peak_exchange_bytes(f, c)
+        for f in (1, 2, 4)
+        for c in (None, "fp16_compress", "qsgd:bucket_size=64")
+    }
     out["bytes"] = {name: _bytes_per_sync(name) for name in (None, "fp16_compress")}
     out["disagree"] = _disagreeing()
     out["shared_pair"] = _shared_stateful_pair()
     return out
 
 
-@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)], ids=lambda n: f"{n}ranks")
+@pytest.fixture(
+    scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)], ids=lambda n: f"{n}ranks"
+)
 def ranks(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
     return run_on_ranks(scenarios, request.param, timeout=150, collective_timeout=30)
 
@@ -258,6 +341,45 @@ def test_resume_equals_the_uninterrupted_run(ranks: list[dict[str, Any]], case: 
         run = rank[f"resume-{case}"]
         assert run["moved"] and run["equal"], run
         assert run["synced_steps"][0] == run["synced_steps"][1] > 0
+
+
+@pytest.mark.timeout(200)
+def test_resume_with_buffers_in_flight_equals_the_uninterrupted_run(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        run = rank["resume-bn"]
+        assert run["moved"] and run["equal"], run
+        assert run["synced_steps"][0] == run["synced_steps"][1] > 0
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case", ["1-0", "2-1"])
+def test_buffers_are_averaged_at_each_sync_of_fragment_zero(ranks: list[dict[str, Any]], case: str) -> None:
+    """Batch-norm statistics: the same on every rank at the start and right after each sync (the mean of the
+    ranks' floating buffers, the first rank's counter), different between syncs."""
+    for rank in ranks:
+        run = rank[f"buffers-{case}"]
+        assert run["start_same"]
+        applied = [t for t, step in enumerate(run["steps"], 1) if step["applied"]]
+        assert len(applied) >= 2, applied
+        for t, step in enumerate(run["steps"], 1):
+            assert step["same"] == step["applied"], (t, step)
+            if step["applied"]:
+                assert step["mean"] and step["synced"], (t, step)
+
+
+@pytest.mark.timeout(200)
+def test_peak_bytes_of_one_exchange_fall_by_the_number_of_fragments(ranks: list[dict[str, Any]]) -> None:
+    """Streaming DiLoCo's promise, counted: with F equal fragments each exchange hands over 1/F of plain
+    DiLoCo's bytes (the same number of syncs per fragment, F times as many exchanges)."""
+    peak = ranks[0]["peak"]
+    for compressor in (None, "fp16_compress", "qsgd:bucket_size=64"):
+        plain = peak[(1, compressor)]
+        assert len(plain) == 2 and plain[0] == plain[1] > 0, plain
+        for fragments in (2, 4):
+            exchanges = peak[(fragments, compressor)]
+            assert len(exchanges) == 2 * fragments, exchanges
+            assert max(exchanges) * fragments == plain[0], (compressor, fragments, exchanges, plain)
+    assert peak[(1, None)][0] == 4 * 256
 
 
 @pytest.mark.timeout(200)

@@ -86,6 +86,8 @@ def test_failing_compressor_fails_every_rank_and_keeps_the_synced_parameters() -
         assert rank["next_step"].startswith(
             "RuntimeError: gradcomm.DiLoCo: an earlier outer exchange failed"
         ), rank
+        assert "so this DiLoCo does not continue" in rank["next_step"], rank
+        assert "DDP" not in rank["next_step"], rank
 
 
 def killed_during_exchange() -> int:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -32,6 +34,24 @@ def test_fragments_are_contiguous_and_balanced_by_elements(sizes, fragments, exp
     split = split_into_fragments(_named(*sizes), fragments, sync_every=8)
     assert [list(f.names) for f in split] == expected
     assert [f.offset for f in split] == [f * 8 // fragments for f in range(fragments)]
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [(73, 197, 66, 263, 262, 197, 66, 263, 262), (5, 1, 9, 2, 2, 8, 1, 1, 7, 3), (1, 100, 1, 1, 50, 50, 1)],
+)
+def test_largest_fragment_is_the_smallest_any_split_allows(sizes) -> None:
+    """The peak bytes of one exchange: the largest fragment is as small as in the best of all contiguous
+    splits into whole parameters (counted by brute force)."""
+    for fragments in range(1, len(sizes) + 1):
+        split = split_into_fragments(_named(*sizes), fragments, sync_every=8)
+        assert [name for f in split for name in f.names] == [f"p{i}" for i in range(len(sizes))]
+        assert all(f.params for f in split)
+        best = min(
+            max(sum(sizes[a:b]) for a, b in itertools.pairwise((0, *cuts, len(sizes))))
+            for cuts in itertools.combinations(range(1, len(sizes)), fragments - 1)
+        )
+        assert max(f.numel() for f in split) == best, (fragments, [f.numel() for f in split])
 
 
 def test_fragment_schedule_is_staggered() -> None:

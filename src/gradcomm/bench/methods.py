@@ -10,7 +10,8 @@ What a method's row reports (:class:`DiLoCoMethod`): bytes per step are the oute
 over *all* steps of the run (0 on a step without a sync, the sync's bytes on its step), the measured step time
 the mean over the steps from warm-up on (a median would hide the syncs); the loss curve (and so time to
 target) is the mean over ranks of the inner training losses; the final loss and metric are those of the
-synchronised parameters (:meth:`gradcomm.DiLoCo.synced_parameters`), evaluated as every hook's model is.
+synchronised parameters and buffers (:meth:`gradcomm.DiLoCo.synced_parameters`, ``synced_buffers``),
+evaluated as every hook's model is.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from torch import nn
 
 from gradcomm import comm
 from gradcomm.bench.workloads import Workload
-from gradcomm.comm.agreement import broadcast_coalesced
 from gradcomm.hooks.registry import apply_option_defaults, check_options, parse_hook_choice, resolve_hook_name
 
 __all__ = [
@@ -300,22 +300,16 @@ class DiLoCoTrainer(Trainer):
         return dense, comm.wire_bytes({"all_reduce": dense}, world)
 
     def finished_model(self) -> nn.Module:
-        """A copy of the model holding the synchronised parameters (the anchors, after the exchanges in
-        flight are applied): the same on every rank, whatever the inner steps since the last sync did.
-
-        DiLoCo does not average buffers, so each replica's batch-norm statistics are its own; the copy takes
-        the first rank's, as the hooks' DDPs (which broadcast buffers from it every step) evaluate with. A
-        collective."""
+        """A copy of the model holding the synchronised parameters and buffers (the anchors and the buffers
+        averaged at the last sync, after the exchanges in flight are applied): the same on every rank,
+        whatever the inner steps since the last sync did. A collective (exchanges in flight)."""
         self.diloco.wait_pending()
-        synced = self.diloco.synced_parameters()
+        synced = {**self.diloco.synced_parameters(), **self.diloco.synced_buffers()}
         evaluated = copy.deepcopy(self.model)
         with torch.no_grad():
-            for name, param in evaluated.named_parameters():
+            for name, tensor in [*evaluated.named_parameters(), *evaluated.named_buffers()]:
                 if name in synced:
-                    param.copy_(synced[name])
-        buffers = list(evaluated.buffers())
-        if buffers:
-            broadcast_coalesced(buffers, self.group if self.group is not None else dist.group.WORLD)
+                    tensor.copy_(synced[name])
         return evaluated
 
 

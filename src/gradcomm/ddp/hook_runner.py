@@ -38,10 +38,12 @@ _REGISTERED_TWICE = "register_comm_hook or register_builtin_comm_hook can only b
 
 
 class HookRunner:
-    """The registered hook of one DDP (``owner`` names that DDP in errors) on ``group``."""
+    """The registered hook of one DDP (``owner`` names that DDP in errors, ``kind`` what it is: ``"DDP"``, or
+    ``"DiLoCo"`` for DiLoCo's outer exchanges) on ``group``."""
 
-    def __init__(self, owner: str, group: ProcessGroup | None) -> None:
+    def __init__(self, owner: str, group: ProcessGroup | None, kind: str = "DDP") -> None:
         self.owner = owner
+        self.kind = kind
         self.group = group
         self.hook: CommHook | None = None
         self.state: Any = None
@@ -64,7 +66,7 @@ class HookRunner:
         if self.hook is not None:
             raise RuntimeError(
                 f"{_REGISTERED_TWICE} Hook {self.name} is already registered on this {self.owner}, so "
-                f"{hook_name(hook)} cannot be: combine them into one hook, or build a new DDP."
+                f"{hook_name(hook)} cannot be: combine them into one hook, or build a new {self.kind}."
             )
         if too_late is not None:
             raise RuntimeError(f"register_comm_hook({hook_name(hook)}) must be called {too_late}")
@@ -121,7 +123,7 @@ class HookRunner:
         if self._failure is not None:
             raise RuntimeError(
                 f"{self.owner}: an earlier {what} failed on this rank ({self._failure}). Its collectives may "
-                "no longer match the other ranks', so this DDP does not continue (that could mix gradients of "
-                "different steps). Restart the job, or build a new process group and DDP, and resume from the "
-                "last checkpoint."
+                f"no longer match the other ranks', so this {self.kind} does not continue (that could mix gradients "
+                f"of different steps). Restart the job, or build a new process group and {self.kind}, and resume "
+                "from the last checkpoint."
             )

@@ -13,8 +13,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from gradcomm import comm
 from gradcomm.comm.agreement import broadcast_coalesced, check_same_parameters
 from gradcomm.comm.telemetry import CommStats
+from gradcomm.diloco.buffers import average_buffers
 from gradcomm.diloco.exchange import FragmentExchange, PendingExchange
 from gradcomm.diloco.fragments import Fragment, split_into_fragments
 from gradcomm.diloco.groups import across_nodes_group, unwrap_ddp
@@ -40,10 +42,13 @@ class DiLoCo:
             DiLoCo works across the groups: see ``process_group``). Its parameters are broadcast from the
             group's first rank at construction, so every replica starts from the same point.
         inner_optimizer: the optimizer of the model's parameters (AdamW in the papers); :meth:`step` runs it.
-        sync_every: ``H``, the inner steps between two outer syncs of a fragment.
+        sync_every: ``H``, the inner steps between two outer syncs of a fragment (default 50: see "Defaults"
+            in :mod:`gradcomm.diloco` for how it and the outer optimizer's defaults were measured).
         fragments: Streaming DiLoCo's fragments (1: plain DiLoCo).
         overlap: inner steps an outer exchange runs behind (0: the sync blocks); less than ``sync_every``.
-        outer_lr, outer_momentum, nesterov: the default outer optimizer, SGD with Nesterov momentum.
+        outer_lr, outer_momentum, nesterov: the outer optimizer, SGD; the defaults (lr 1, no momentum) make
+            the outer step plain averaging of the replicas. The paper's is ``outer_lr=0.7, outer_momentum=0.9``
+            (with ``nesterov``, used whenever the momentum is above 0).
         outer_optimizer: instead, a factory ``anchors -> Optimizer`` (the anchors are plain tensors).
         compressor: how pseudo-gradients are reduced: ``None`` (averaging allreduce), a hook name with options
             (``"fp16_compress"``, ``"qsgd"``, ``"topk:ratio=0.01"``, see :mod:`gradcomm.hooks.registry`), a
@@ -66,12 +71,12 @@ class DiLoCo:
         self,
         model: nn.Module,
         inner_optimizer: torch.optim.Optimizer,
-        sync_every: int = 100,
+        sync_every: int = 50,
         fragments: int = 1,
         overlap: int = 0,
         *,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
         nesterov: bool = True,
         outer_optimizer: OuterFactory | None = None,
         compressor: Compressor = None,
@@ -105,9 +110,12 @@ class DiLoCo:
         self._runners = FragmentRunners(
             _WHO, fragments, compressor, process_group, self._setup(outer_optimizer)
         )
+        self._buffers = list(module.named_buffers())
         broadcast_coalesced(
-            [p for _, p in named], process_group if process_group is not None else dist.group.WORLD
+            [p for _, p in named] + [b for _, b in self._buffers],
+            process_group if process_group is not None else dist.group.WORLD,
         )
+        self._synced_buffers = {name: b.detach().clone() for name, b in self._buffers}
         self.anchors: list[list[torch.Tensor]] = [
             [_anchor(p, anchor_device) for p in fragment.params] for fragment in self.fragments
         ]
@@ -181,7 +189,12 @@ class DiLoCo:
         stats = self._runners.stats
         stats.begin_step()
         world = dist.get_world_size(self.group)
+        buffers = None
+        if index == 0 and self._buffers:
+            with comm.counting_into(stats.traffic):
+                buffers = average_buffers(self._buffers, self.group, self.inner_steps)
         self._pending[index] = self._exchanges[index].launch(self._runners[index], self.inner_steps, world)
+        self._pending[index].buffers = buffers
         stats.end_step()
 
     def _apply(self, index: int) -> None:
@@ -200,15 +213,20 @@ class DiLoCo:
                     param.copy_(anchor)
                 else:
                     param.lerp_(anchor.to(param.device), 1.0 - self.mixing)
+            if pending.buffers is not None:
+                for name, buffer in self._buffers:
+                    buffer.copy_(pending.buffers[name])
+                self._synced_buffers = pending.buffers
         del self._pending[index]
         self._synced_at[index] = self.inner_steps
         self.synced_steps += 1
         if self.check_replicas and self.mixing == 0.0 and not self._runners[index].replicas_may_differ():
             self._settle()
             when = f"right after outer sync {self.synced_steps} (fragment {index}, inner step {self.inner_steps}),"
-            check_same_parameters(
-                list(zip(fragment.names, fragment.params, strict=True)), self.group, _WHO, when
-            )
+            named = list(zip(fragment.names, fragment.params, strict=True))
+            if pending.buffers is not None:
+                named += self._buffers
+            check_same_parameters(named, self.group, _WHO, when)
 
     def wait_pending(self) -> None:
         """Apply every outer update still in flight now (at the end of training, with ``overlap``)."""
@@ -236,6 +254,11 @@ class DiLoCo:
             for name, anchor in zip(fragment.names, anchors, strict=True)
         }
 
+    def synced_buffers(self) -> dict[str, torch.Tensor]:
+        """The model's buffers as of the last sync of fragment 0 (floating ones averaged over the ranks, the
+        others the first rank's), by name: the same on every rank; at the start, the first rank's."""
+        return {name: buffer.clone() for name, buffer in self._synced_buffers.items()}
+
     def comm_stats(self) -> CommStats:
         """The outer exchanges' communication statistics on this rank (one ``step`` per fragment sync)."""
         return self._runners.stats
@@ -257,6 +280,7 @@ class DiLoCo:
                     "fragment": f,
                     "launched_at": p.launched_at,
                     "averaged": self._exchanges[f].collect(self._runners[f], p),
+                    "buffers": p.buffers,
                 }
                 for f, p in sorted(self._pending.items())
             ]
@@ -274,6 +298,7 @@ class DiLoCo:
             "synced_steps": self.synced_steps,
             "synced_at": list(self._synced_at),
             "anchors": self.synced_parameters(),
+            "buffers": self.synced_buffers(),
             "outer_optimizer": self.outer_optimizer.state_dict(),
             "compressor": [
                 s.state_dict() if callable(getattr(s, "state_dict", None)) else None

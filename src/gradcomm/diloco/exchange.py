@@ -29,6 +29,8 @@ class PendingExchange:
     launched_at: int
     futures: list[torch.futures.Future] = field(default_factory=list)
     averaged: list[torch.Tensor] | None = None
+    buffers: dict[str, torch.Tensor] | None = None
+    """The model's buffers as synced with this exchange (fragment 0's, where the model has buffers)."""
 
 
 class FragmentExchange:

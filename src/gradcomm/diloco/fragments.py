@@ -34,29 +34,60 @@ class Fragment:
         return sum(p.numel() for p in self.params)
 
 
+def _runs_needed(sizes: Sequence[int], bound: int) -> int:
+    """How many contiguous runs of at most ``bound`` (each item fitting) ``sizes`` needs, filled in order."""
+    runs, total = 1, 0
+    for size in sizes:
+        if total + size > bound:
+            runs, total = runs + 1, 0
+        total += size
+    return runs
+
+
+def _smallest_peak(sizes: Sequence[int], fragments: int) -> int:
+    """The least possible size of the largest of ``fragments`` contiguous runs of ``sizes`` (a bisection)."""
+    low, high = max(sizes), sum(sizes)
+    while low < high:
+        middle = (low + high) // 2
+        if _runs_needed(sizes, middle) <= fragments:
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
 def _boundaries(sizes: Sequence[int], fragments: int) -> list[int]:
-    """Start positions of ``fragments`` contiguous runs of ``sizes``: run ``f`` starts where the total before
-    it comes nearest ``f / fragments`` of the whole, every run holding at least one item."""
+    """Start positions of ``fragments`` contiguous runs of ``sizes``, each holding at least one item, whose
+    largest total is the least possible (the peak bytes of one exchange); within that bound, run ``f`` ends
+    where the total before the next comes nearest ``(f + 1) / fragments`` of the whole."""
     before = [0]
     for size in sizes:
         before.append(before[-1] + size)
+    bound = _smallest_peak(sizes, fragments)
     starts = [0]
     for f in range(1, fragments):
+        later = fragments - f  # runs after this cut
+        last = starts[-1] + 1
+        while last + 1 <= len(sizes) - later and before[last + 1] - before[starts[-1]] <= bound:
+            last += 1
+        low, high = starts[-1] + 1, last  # the rest must still fit in ``later`` runs: true from some cut on
+        while low < high:
+            middle = (low + high) // 2
+            if _runs_needed(sizes[middle:], bound) <= later:
+                high = middle
+            else:
+                low = middle + 1
         target = before[-1] * f / fragments
-        position = starts[-1] + 1
-        while position < len(sizes) - (fragments - f) and before[position] < target:
-            position += 1
-        if position > starts[-1] + 1 and target - before[position - 1] < before[position] - target:
-            position -= 1
-        starts.append(position)
+        starts.append(min(range(low, last + 1), key=lambda cut: abs(before[cut] - target)))
     return starts
 
 
 def split_into_fragments(
     named_params: Sequence[tuple[str, torch.nn.Parameter]], fragments: int, sync_every: int
 ) -> list[Fragment]:
-    """Split ``named_params`` into ``fragments`` contiguous groups balanced by element count, with the
-    staggered offsets ``f * sync_every // fragments``.
+    """Split ``named_params`` into ``fragments`` contiguous groups whose largest has the fewest elements any
+    split into whole parameters allows (Streaming DiLoCo's peak bandwidth), with the staggered offsets
+    ``f * sync_every // fragments``.
 
     Raises:
         ValueError: fewer parameters than fragments, or ``fragments``/``sync_every`` below 1.

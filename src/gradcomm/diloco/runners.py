@@ -39,7 +39,7 @@ class FragmentRunners:
         self.stats = CommStats(hook_name=DEFAULT_HOOK_NAME, group=group)
         self.runners: list[HookRunner] = []
         for index in range(fragments):
-            runner = HookRunner(who, group)
+            runner = HookRunner(who, group, kind="DiLoCo")
             runner.stats = self.stats
             hook, state = compressor_hook(compressor, group)
             if (

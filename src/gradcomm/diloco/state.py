@@ -85,6 +85,8 @@ def load_diloco_state(diloco: DiLoCo, saved: dict[str, Any]) -> None:
     with torch.no_grad():
         for name, anchor in anchors.items():
             anchor.copy_(saved["anchors"][name])
+    if "buffers" in saved:
+        diloco._synced_buffers = {name: b.clone() for name, b in saved["buffers"].items()}
     diloco.outer_optimizer.load_state_dict(saved["outer_optimizer"])
     for state, entry in zip(states, saved_states, strict=True):
         if entry is not None:
@@ -96,5 +98,5 @@ def load_diloco_state(diloco: DiLoCo, saved: dict[str, Any]) -> None:
         params = diloco.fragments[entry["fragment"]].params
         averaged = [t.to(p.device) for t, p in zip(entry["averaged"], params, strict=True)]
         diloco._pending[entry["fragment"]] = PendingExchange(
-            entry["fragment"], int(entry["launched_at"]), averaged=averaged
+            entry["fragment"], int(entry["launched_at"]), averaged=averaged, buffers=entry.get("buffers")
         )
