@@ -559,6 +559,36 @@ def test_dead_rank_ends_the_run_with_one_line_and_no_children(tmp_path: Path) ->
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stopped_run_still_reports_the_hooks_every_rank_finished(tmp_path: Path) -> None:
+    """A rank lost during the second hook (as a ``--timeout`` would stop it): the first hook's row is printed
+    and written, and the run still fails with its one-line error."""
+    run = tmp_path / "run"
+    bench = subprocess.Popen(
+        [*GRADCOMM, "bench", "--workload", "cnn", "--steps", "400", "--hooks", "allreduce", "fp16_compress",
+         "--collective-timeout", "20", "--output", str(run)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        ranks = _wait_until_training(bench, run / "logs")
+        finished = [run / "finished" / f"rank{rank}.json" for rank in ranks]
+        deadline = time.monotonic() + 200
+        while not all(path.exists() for path in finished) and bench.poll() is None:
+            assert time.monotonic() < deadline, "the first hook never finished"
+            time.sleep(0.02)
+        os.kill(ranks[1], signal.SIGKILL)
+        out, err = bench.communicate(timeout=120)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    assert bench.returncode == 1, err
+    assert err.strip().startswith("gradcomm bench: error: rank 1 of 2 exited with code -9 (SIGKILL)"), err
+    assert "the run stopped during hook 2 of 2; the 1 finished:" in out, out
+    document = json.loads((run / "results.json").read_text())
+    assert [summary["label"] for summary in document["summaries"]] == ["allreduce"], document["summaries"]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_ranks_die_with_their_parent(tmp_path: Path) -> None:
     """A parent killed with SIGKILL runs no clean-up; the kernel kills its ranks (PR_SET_PDEATHSIG)."""

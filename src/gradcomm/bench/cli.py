@@ -17,6 +17,7 @@ With ``--nodes N --procs-per-node P`` it emulates N machines of P ranks each, jo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import logging
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
 def _run_locally(args: argparse.Namespace) -> int:
     from gradcomm.bench.launch import RankFailure, run_ranks
-    from gradcomm.bench.runner import bench_rank
+    from gradcomm.bench.runner import bench_rank, finished_runs
     from gradcomm.testing.network import (
         NetworkSetupError,
         ShapedNetwork,
@@ -98,6 +99,7 @@ def _run_locally(args: argparse.Namespace) -> int:
         except NetworkSetupError as exc:
             raise BenchError(f"could not remove the namespaces of earlier runs: {exc}", status=1) from None
     create_output(output)
+    (output / "finished").mkdir(exist_ok=True)
     import multiprocessing
 
     progress_queue = multiprocessing.get_context("spawn").Queue()
@@ -107,7 +109,7 @@ def _run_locally(args: argparse.Namespace) -> int:
             runs = run_ranks(
                 bench_rank,
                 world_size,
-                args=(config, progress_queue),
+                args=(config, progress_queue, str(output / "finished")),
                 log_dir=output / "logs",
                 timeout=args.timeout,
                 collective_timeout=args.collective_timeout,
@@ -121,6 +123,11 @@ def _run_locally(args: argparse.Namespace) -> int:
             error_log.write_text(exc.report)
         except OSError as write_error:
             raise BenchError(f"{exc} (the full report could not be written: {write_error})", status=1) from None
+        finished = finished_runs(output / "finished", world_size)
+        if finished:  # e.g. stopped by --timeout: the hooks every rank finished are still worth their table
+            done = len(finished[0])
+            print(f"the run stopped during hook {done + 1} of {len(config.hooks)}; the {done} finished:", flush=True)
+            _report(args, dataclasses.replace(config, hooks=config.hooks[:done]), finished, output, rate)
         raise BenchError(f"{exc} (full report: {error_log})", status=1) from None
     finally:
         progress_queue.close()

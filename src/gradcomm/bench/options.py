@@ -130,7 +130,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the smoothed training loss the time-to-target column counts to (default: "
                         "allreduce's final smoothed loss + 2%%, or the best hook's without allreduce)")
     parser.add_argument("--output", type=Path, default=None, help="output folder (default: a new timestamped one)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="hard limit for the whole run, seconds")
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="hard limit for the whole run, seconds; the hooks every rank finished are still reported")
     parser.add_argument("--collective-timeout", type=float, default=120.0,
                         help="process-group timeout: a collective waiting longer fails its rank")
 

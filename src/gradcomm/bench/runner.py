@@ -23,10 +23,13 @@ hook's training began: what actually crossed between hosts.
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -309,8 +312,10 @@ def solo_groups() -> list[Any]:
     return [dist.new_group([r], timeout=timeout) for r in range(dist.get_world_size())]
 
 
-def bench_rank(config: BenchConfig, progress_queue: Any = None) -> list[dict[str, Any]]:
-    """Run every hook of ``config`` on this rank; return one :class:`HookRun` dict per hook."""
+def bench_rank(config: BenchConfig, progress_queue: Any = None, finished_dir: str | None = None) -> list[dict[str, Any]]:
+    """Run every hook of ``config`` on this rank; return one :class:`HookRun` dict per hook. With
+    ``finished_dir``, the runs finished so far are also written there after each hook (``rank<r>.json``), so
+    that a run stopped by ``--timeout`` still reports the hooks every rank finished."""
     workload = WORKLOADS[config.workload](device=config.device)
     rank = dist.get_rank()
     solo = solo_groups()
@@ -319,6 +324,27 @@ def bench_rank(config: BenchConfig, progress_queue: Any = None) -> list[dict[str
         def report(label: str, step: int) -> None:
             progress_queue.put((label, step))
 
-    runs = [run_hook(workload, choice, config, solo[rank], report).as_dict() for choice in config.hooks]
+    runs = []
+    for choice in config.hooks:
+        runs.append(run_hook(workload, choice, config, solo[rank], report).as_dict())
+        if finished_dir is not None:
+            _write_finished(Path(finished_dir) / f"rank{rank}.json", runs)
     dist.barrier()
     return runs
+
+
+def _write_finished(path: Path, runs: list[dict[str, Any]]) -> None:
+    staged = path.with_suffix(".tmp")
+    staged.write_text(json.dumps(runs))
+    os.replace(staged, path)
+
+
+def finished_runs(finished_dir: Path, world_size: int) -> list[list[dict[str, Any]]]:
+    """The hooks every rank finished before a run was stopped, per rank, as :func:`bench_rank` returns them
+    (empty when some rank finished none)."""
+    try:
+        per_rank = [json.loads((finished_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+    except (OSError, ValueError):
+        return []
+    done = min(len(runs) for runs in per_rank)
+    return [runs[:done] for runs in per_rank] if done else []
