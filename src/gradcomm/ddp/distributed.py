@@ -44,6 +44,7 @@ from gradcomm.ddp import join as uneven
 from gradcomm.ddp.agreement import broadcast_coalesced, check_same_parameters
 from gradcomm.ddp.bucketing import bucket_size_limits, bucket_size_list
 from gradcomm.ddp.reducer import Reducer
+from gradcomm.ddp.reducer_surface import ReducerSurface
 from gradcomm.ddp.sparse import expects_sparse_gradient
 from gradcomm.ddp.telemetry import CommStats
 from gradcomm.ddp.torch_compat import (
@@ -305,7 +306,7 @@ class DistributedDataParallel(TorchDDPSurface):
         named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         self._group = self.process_group
-        self.reducer = Reducer(
+        self._reducer = Reducer(
             params,
             [name for name, _ in named],
             self.process_group,
@@ -320,6 +321,7 @@ class DistributedDataParallel(TorchDDPSurface):
             sparse=expects_sparse_gradient(self.module, params),
             bucket_caps=self._reducer_options["bucket_caps"],
         )
+        self.reducer = ReducerSurface(self._reducer)  # torch's C++ reducer's place, which frameworks reach into
 
     def _restore_after_unpickling(self) -> None:
         """Rebuild the reducer on the default group, as torch does, or leave the module for inspection only."""
@@ -331,37 +333,37 @@ class DistributedDataParallel(TorchDDPSurface):
                 self._set_static_graph()
         else:
             self.process_group = self._group = None
-            self.reducer = _NoProcessGroup()
+            self.reducer = self._reducer = _NoProcessGroup()  # type: ignore[assignment]
             self.static_graph = static
 
     @property
     def synchronised_steps(self) -> int:
         """Synchronised steps completed on this rank; errors name steps counting from 0 (step ``n`` is the one
         after ``n`` completed steps). Under :meth:`join` a joined rank's shadow steps count too."""
-        return self.reducer.synchronised_steps
+        return self._reducer.synchronised_steps
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        self.reducer.check_usable()
+        self._reducer.check_usable()
         synchronise = torch.is_grad_enabled() and self.require_backward_grad_sync
         self.require_forward_param_sync = synchronise
         source = 0
         if self._join is not None and self._join_config.enable:
             source = uneven.training_step(self, synchronise)
         if synchronise:
-            self.reducer.prepare_for_forward(source)
+            self._reducer.prepare_for_forward(source)
             self._maybe_check_parameters(joined=False)
-            self.reducer.arm_for_forward()  # a backward inside the forward (manual optimization) syncs too
+            self._reducer.arm_for_forward()  # a backward inside the forward (manual optimization) syncs too
         else:
-            self.reducer.disarm()
+            self._reducer.disarm()
         self._broadcast_buffers(source)
         if self._input_device is not None:
             inputs, kwargs = _move_to(inputs, self._input_device), _move_to(kwargs, self._input_device)
         with self._inside_ddp_forward():  # torch's marker for dynamo's DDPOptimizer (a class attribute in eager)
             output = self.module(*inputs, **kwargs)
         if synchronise and self.require_backward_grad_sync:  # Lightning turns it off inside manual optimization
-            self.reducer.prepare_for_backward(output)
+            self._reducer.prepare_for_backward(output)
         elif synchronise:
-            self.reducer.disarm()
+            self._reducer.disarm()
         return output
 
     def _broadcast_buffers(self, source: int) -> None:
@@ -467,7 +469,7 @@ class DistributedDataParallel(TorchDDPSurface):
         step = self.synchronised_steps
         if not every or step == 0 or step % every or step == self._last_parameter_check:
             return
-        if self.reducer.replicas_may_differ():  # the model averager checks right after it averages
+        if self._reducer.runner.replicas_may_differ():  # the model averager checks right after it averages
             return
         self._last_parameter_check = step
         with reporting_lost_peers(step, "comparing parameter checksums", self._group):
@@ -513,7 +515,7 @@ class DistributedDataParallel(TorchDDPSurface):
         disagree. A state that holds rank-specific plain values can define ``comm_hook_fingerprint() ->
         str`` to say what must agree.
         """
-        self.reducer.register_comm_hook(state, hook)
+        self._reducer.register_comm_hook(state, hook)
 
     def bucket_layout(self) -> dict[str, Any]:
         """The bucket layout as plain values; saved by :func:`gradcomm.ddp.checkpoint.save_checkpoint`.
@@ -521,11 +523,11 @@ class DistributedDataParallel(TorchDDPSurface):
         Hook state is kept per parameter and resumes in any layout; a resumed run that reduces in the original
         run's buckets from its first step also sums in the same order, so it continues bit for bit.
         """
-        return self.reducer.bucket_layout()
+        return self._reducer.bucket_layout()
 
     def load_bucket_layout(self, layout: dict[str, Any]) -> None:
         """Adopt a layout from :meth:`bucket_layout` (before the resumed run's first backward)."""
-        self.reducer.load_bucket_layout(layout)
+        self._reducer.load_bucket_layout(layout)
 
     def comm_stats(self) -> CommStats:
         """Per-step and cumulative communication statistics on this rank (see :mod:`gradcomm.ddp.telemetry`).
@@ -533,4 +535,4 @@ class DistributedDataParallel(TorchDDPSurface):
         Resettable (``.reset()``); set ``.measure_error = True`` for the compression error, ``.log_every`` to
         log through :mod:`logging`, ``.jsonl_path`` to append every step as a JSON line.
         """
-        return self.reducer.stats
+        return self._reducer.runner.stats

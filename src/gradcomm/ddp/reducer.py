@@ -47,32 +47,36 @@ from gradcomm.comm.faults import PeerLostError, reporting_lost_peers
 from gradcomm.comm.futures import wait_quietly
 from gradcomm.ddp.bucketing import (
     Bucket,
-    assign_buckets,
     bucket_size_limits,
     grad_held_elsewhere,
-    initial_buckets,
     prepare_grad_references,
     same_tensor,
 )
 from gradcomm.ddp.finite import check_bucket_finite
 from gradcomm.ddp.grad_hooks import EndOfBackwardHook, GradReadyHook, after_accumulation
 from gradcomm.ddp.hook_runner import HookRunner
-from gradcomm.ddp.reducer_surface import (
-    ReducerSurface,
-    graph_changed_error,
-    marked_twice_error,
-    unfinished_reduction_error,
-)
+from gradcomm.ddp.iteration import Iteration
+from gradcomm.ddp.rebuild import BucketRebuild, broadcast_order
+from gradcomm.ddp.reducer_errors import graph_changed_error, marked_twice_error, unfinished_reduction_error
 from gradcomm.ddp.sparse import SparseBucket
 from gradcomm.ddp.unused import StaticCounting, UsedParameters, parameters_reached, tensors_in
+from gradcomm.hooks.contract import CommHook
 
 __all__ = ["Reducer"]
 
 logger = logging.getLogger(__name__)
 
 
-class Reducer(ReducerSurface):
-    """Buckets the gradients of ``params`` and reduces them with a communication hook during backward."""
+class Reducer:
+    """Buckets the gradients of ``params`` and reduces them with a communication hook during backward.
+
+    The DDP drives it (``prepare_for_forward``, ``arm_for_forward``/``prepare_for_backward``, ``disarm``,
+    ``shadow_backward``); ``ddp.reducer`` is :class:`~gradcomm.ddp.reducer_surface.ReducerSurface`, torch's
+    C++ reducer's surface over it. Its state: the buckets and where each parameter is in them, the
+    :class:`~gradcomm.ddp.rebuild.BucketRebuild`, the static graph's record
+    (:class:`~gradcomm.ddp.unused.UsedParameters`), the hook (:class:`~gradcomm.ddp.hook_runner.HookRunner`)
+    and the :class:`~gradcomm.ddp.iteration.Iteration` being reduced.
+    """
 
     def __init__(
         self,
@@ -94,7 +98,6 @@ class Reducer(ReducerSurface):
         self._group = process_group
         self._world_size = dist.get_world_size(process_group)
         self._bucket_cap_mb = bucket_cap_mb
-        self._first_limit, self._limit = bucket_size_limits(bucket_cap_mb)
         self._bucket_caps = list(bucket_caps) if bucket_caps else None
         self._sparse = list(sparse) if sparse is not None and any(sparse) else None
         self._find_unused = find_unused_parameters
@@ -109,31 +112,21 @@ class Reducer(ReducerSurface):
         self.set_active_ranks(None)  # the default reduction's divisor and factor (join() may change them)
         self._runner = HookRunner("gradcomm.DistributedDataParallel", process_group)
         self._synced_backwards = 0
-        # torch does not rebuild with find_unused_parameters (unless the graph is static): the ready order then
-        # varies between iterations.
-        self._rebuild_done = find_unused_parameters and not static_graph
+        self._rebuild = BucketRebuild(
+            self._params,
+            bucket_size_limits(bucket_cap_mb),
+            self._bucket_caps,
+            self._sparse,
+            find_unused_parameters,
+            static_graph,
+        )
         self._static = UsedParameters(len(self._params), static_graph)
-        self._ready_order: list[int] = []
-        self._has_rebuilt = False
-        self._rebuild_order: list[int] | None = None
         self._unfinished: list[int] = []  # the parameters a started backward left without gradient
         self._armed = False
         # which parameters got a gradient since the last synchronised step (no_sync iterations included)
         self._used_map = torch.zeros(len(self._params), dtype=torch.int32)
-        self._first_counts: list[int] = []
-        self._countdown: list[int] = []
         self._warned_create_graph = False
-        self._build_buckets(
-            initial_buckets(
-                self._params,
-                self._first_limit,
-                self._limit,
-                one_per_kind=static_graph or not find_unused_parameters,
-                limits=self._bucket_caps,
-                alone=self._sparse,
-            )
-        )
-        self._reset_iteration()
+        self._build_buckets(self._rebuild.initial_groups(), rebuilt=False)
         self_ref = weakref.ref(self)
         self._grad_hook_handles, self._accumulators = [], []  # the nodes are kept: see after_accumulation
         for index, param in enumerate(self._params):
@@ -141,10 +134,109 @@ class Reducer(ReducerSurface):
             self._grad_hook_handles.append(handle)
             self._accumulators.append(accumulator)
 
+    # -- what the DDP, the surface and checkpoints read ---------------------------------------------------
+    @property
+    def runner(self) -> HookRunner:
+        """The registered hook (its name, whether it leaves replicas different) and its launches."""
+        return self._runner
+
+    @property
+    def buckets(self) -> list[Bucket | SparseBucket]:
+        """The buckets, in order (read-only: the reducer rebuilds them, never the caller)."""
+        return self._buckets
+
+    @property
+    def names(self) -> list[str]:
+        """The parameters' names, in the reducer's order."""
+        return self._names
+
+    @property
+    def rebuild(self) -> BucketRebuild:
+        """The one-time bucket rebuild's state (read-only: see :meth:`rebuild_if_due`)."""
+        return self._rebuild
+
+    @property
+    def static(self) -> UsedParameters:
+        """The static graph's record, and the evidence for torch's ``can_set_static_graph``."""
+        return self._static
+
+    @property
+    def synchronised_steps(self) -> int:
+        """Synchronised steps completed (shadow steps of a joined rank included); the step numbers in errors
+        count from 0, so step ``n`` is the one after ``n`` completed steps."""
+        return self._synced_backwards
+
+    @property
+    def in_backward(self) -> bool:
+        """A gradient of the armed backward has arrived and its reduction has not finished."""
+        return self._armed and self._iteration.started
+
+    def check_usable(self) -> None:
+        """Raise if an earlier synchronised step failed on this rank: the ranks may be out of step."""
+        self._runner.check_usable()
+
     def _fail(self, exc: BaseException) -> None:
         self._runner.fail(exc)
         self._armed = False
 
+    # -- setup: the hook, the settings, the static graph ------------------------------------------------------
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Register ``hook``; a collective: every rank must register, and the same hook with the same options.
+
+        The ranks compare the hook's qualified name, its state's plain options and the bucket layout in one
+        ``all_gather_object`` and all raise :class:`~gradcomm.ddp.agreement.RanksDisagreeError` if they differ.
+        """
+        too_late = None
+        if self._synced_backwards or self.in_backward or self._runner.setup_checked:
+            too_late = (
+                "before the first backward, and before the first synchronised forward (where the ranks compare "
+                f"their setup); {self._synced_backwards} synchronised backward pass(es) already ran with "
+                f"{self._runner.name}"
+            )
+        self._runner.register(state, hook, too_late, self._setup())
+
+    def _setup(self) -> dict[str, str]:
+        """What the ranks must agree on besides the hook: bucket layout and the DDP's settings."""
+        sizes = [bucket.buffer.numel() for bucket in self._buckets]
+        dtypes = sorted({str(bucket.buffer.dtype) for bucket in self._buckets})
+        return {
+            "bucket layout": f"{len(sizes)} bucket(s) of {sizes} elements ({', '.join(dtypes)})",
+            "bucket_cap_mb": repr(self._bucket_cap_mb),
+            "find_unused_parameters": repr(self._find_unused),
+            "static_graph": repr(self._static.enabled),
+            "bucket_cap_mb_list": repr(self._bucket_caps),
+            **self._settings,
+        }
+
+    def set_active_ranks(self, count: int | None) -> None:
+        """Average the default reduction over ``count`` ranks (``None``: all), for ``join()`` with
+        ``divide_by_initial_world_size=False``. A registered hook divides as it does itself."""
+        self._grad_divisor = count or self._world_size  # sparse gradients are divided by it (as torch)
+        # dense ones multiplied by its inverse, as a Python number: the kernel reads it as torch's reducer's
+        # wrapped scalar, in the gradient's compute type (a 0-dim tensor would promote a 0-dim gradient)
+        self._scale = 1.0 / self._grad_divisor
+
+    def set_static_graph(self) -> None:
+        """Treat the graph as static from now on; only before the first synchronised iteration, as in torch."""
+        if self._synced_backwards or self.in_backward:
+            raise RuntimeError(
+                "set_static_graph() should be called before training loop starts and after "
+                "DistributedDataParallel is constructed. "
+                "gradcomm.DistributedDataParallel._set_static_graph() must be called before the first "
+                f"synchronised iteration ({self._synced_backwards} already ran); pass static_graph=True to the "
+                "constructor instead"
+            )
+        self._static = UsedParameters(len(self._params), True)
+        self._rebuild.expect()
+        self._runner.setup_checked = False  # the ranks compare the new setting at the next synchronised forward
+
+    def remove_hooks(self) -> None:
+        """Remove the per-parameter gradient hooks: backward no longer reaches the reducer."""
+        for handle in self._grad_hook_handles:
+            handle.remove()
+        self._grad_hook_handles, self._accumulators = [], []
+
+    # -- arming for a backward -----------------------------------------------------------------------------
     def prepare_for_forward(self, source_rank: int = 0) -> None:
         """Called before a forward whose backward will synchronise: report trouble, compare the ranks' setup
         (once), rebuild buckets (once, broadcasting group rank ``source_rank``'s order)."""
@@ -155,14 +247,11 @@ class Reducer(ReducerSurface):
             names = [self._names[i] for i in indices]
             rank = dist.get_rank(self._group)
             raise unfinished_reduction_error(names, indices, rank, self._static.enabled, self._find_unused)
-        if self._synced_backwards == 0 and not self._has_rebuilt:
+        if self._synced_backwards == 0 and not self._rebuild.has_rebuilt:
             self._adopt_hook_state_layout()
         if not self._runner.setup_checked:
             self._runner.check_same_setup(self._setup())
-        if self._rebuild_order is not None:
-            with reporting_lost_peers(self._synced_backwards, "rebuilding buckets", self._group):
-                self._rebuild_in_order(self._rebuild_order, source_rank=source_rank)
-            self._rebuild_order = None
+        self.rebuild_if_due(source_rank)
 
     def arm_for_forward(self) -> None:
         """Arm the reducer for a backward that runs inside the module's forward.
@@ -183,25 +272,39 @@ class Reducer(ReducerSurface):
     def _arm(self, outputs: Any) -> None:
         """Arm for the coming backward; ``outputs`` is ``None`` when it runs inside the forward (no output yet)."""
         self._take_unfinished()
-        self._reset_iteration()
+        it = self._new_iteration()
         self._armed = True
         if self._static.enabled:
             if not self._static.recorded:
                 # torch's first static iteration: count each parameter's gradients, reduce everything at the end
-                self._first_counts = [0] * len(self._params)
-                self._counting = StaticCounting.FIRST
+                it.first_counts = [0] * len(self._params)
+                it.counting = StaticCounting.FIRST
                 self._end_of_backward_at(outputs)
             else:
-                self._unused = self._static.locally_unused
-                self._countdown = list(self._static.hook_counts)
-                self._counting = StaticCounting.DOWN
+                it.unused = self._static.locally_unused
+                it.countdown = list(self._static.hook_counts)
+                it.counting = StaticCounting.DOWN
         elif self._find_unused:
             if outputs is None:
-                self._unused_at_end = True
+                it.unused_at_end = True
                 self._end_of_backward_at(None)
             else:
                 reached = parameters_reached(outputs)
-                self._unused = [i for i, p in enumerate(self._params) if id(p) not in reached]
+                it.unused = [i for i, p in enumerate(self._params) if id(p) not in reached]
+
+    def _new_iteration(self) -> Iteration:
+        """Start a new :class:`Iteration` (for an armed backward, or after the buckets changed)."""
+        for bucket in self._buckets:
+            if not bucket.sparse:
+                bucket.staged.discard()
+        locally_used = self._used_map if self._static.reduces_used_map(self._find_unused) else None
+        self._iteration = Iteration(
+            bytearray(len(self._params)),
+            [len(bucket.param_indices) for bucket in self._buckets],
+            [None] * len(self._buckets),
+            locally_used,
+        )
+        return self._iteration
 
     def _end_of_backward_at(self, outputs: Any) -> None:
         """Arrange for :meth:`_end_of_backward` to run when the backward through ``outputs`` ends.
@@ -210,32 +313,19 @@ class Reducer(ReducerSurface):
         reaches them, the outermost one even under reentrant checkpointing. Without outputs (a backward inside
         the forward) it is queued at the first gradient instead.
         """
-        self._end_at_first_grad = True
+        it = self._iteration
+        it.end_at_first_grad = True
         self_ref = weakref.ref(self)
         for tensor in tensors_in(outputs):
             if tensor.grad_fn is not None:
                 tensor.grad_fn.register_prehook(EndOfBackwardHook(self_ref))
-                self._end_at_first_grad = False
+                it.end_at_first_grad = False
 
     def _queue_end_of_backward(self) -> None:
-        if self._armed and not self._end_queued:
-            self._end_queued = True
+        it = self._iteration
+        if self._armed and not it.end_queued:
+            it.end_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-
-    def _count_first(self, index: int) -> bool:
-        """First static iteration: count the gradient, defer marking to the end of backward (as torch)."""
-        self._first_counts[index] += 1
-        if self._first_counts[index] == 1 and not self._rebuild_done:
-            self._ready_order.append(index)
-        return True
-
-    def _count_down(self, index: int) -> bool:
-        """Later static iterations: a parameter is ready at its last gradient of the first iteration's count."""
-        left = self._countdown[index] - 1
-        if left < 0:
-            raise graph_changed_error(self._names[index], self._static.hook_counts[index])
-        self._countdown[index] = left
-        return left > 0
 
     def disarm(self) -> None:
         """Forget a prepared backward (the next backward accumulates locally)."""
@@ -244,17 +334,28 @@ class Reducer(ReducerSurface):
 
     def _take_unfinished(self) -> None:
         """Record the parameters a started backward left without gradient (its buckets were never reduced)."""
-        if self._armed and self._started:
+        if self.in_backward:
             self._unfinished = self._unready()
             self._armed = False
 
     def _unready(self) -> list[int]:
-        return [i for i in range(len(self._params)) if not self._ready[i]]
+        ready = self._iteration.ready
+        return [i for i in range(len(self._params)) if not ready[i]]
+
+    def check_finalized(self) -> None:
+        """Raise if the last synchronised backward left buckets unreduced (torch's ``_check_reducer_finalized``)."""
+        if self._unfinished or self.in_backward:
+            unready = [self._names[i] for i in self._unfinished or self._unready()]
+            raise RuntimeError(
+                "gradcomm.DistributedDataParallel: the last backward did not finish reducing: no gradient "
+                f"arrived for {', '.join(unready[:10])}. Pass find_unused_parameters=True if they are unused on "
+                "purpose."
+            )
 
     # -- bucket layout -------------------------------------------------------------------------------------
-    def _build_buckets(self, groups: list[list[int]]) -> None:
+    def _build_buckets(self, groups: list[list[int]], rebuilt: bool) -> None:
         """Make the buckets: ``groups`` holds each bucket's parameter indices, in bucket order."""
-        self._layout_order = [index for group in groups for index in group]
+        self._rebuild.built(groups, rebuilt)
         last = len(groups) - 1
         self._buckets: list[Bucket | SparseBucket] = [
             SparseBucket(index, indices[0], self._params, index == last)
@@ -267,6 +368,7 @@ class Reducer(ReducerSurface):
         for bucket in self._buckets:
             for position, index in enumerate(bucket.param_indices):
                 self._location[index] = (bucket, position)
+        self._new_iteration()
 
     def _grads_as_views(self, indices: list[int]) -> bool:
         """Whether these parameters' ``.grad`` become views of their bucket. By default (``None``) only for
@@ -276,6 +378,37 @@ class Reducer(ReducerSurface):
         if self._as_view is None:
             return all(self._params[i].is_contiguous() for i in indices)
         return self._as_view
+
+    def bucket_layout(self) -> dict[str, Any]:
+        """The bucket layout as plain values, for checkpoints (see :meth:`BucketRebuild.bucket_layout`)."""
+        return self._rebuild.bucket_layout(self._names)
+
+    def load_bucket_layout(self, layout: dict[str, Any]) -> None:
+        """Adopt a saved :meth:`bucket_layout`, so a resumed run reduces in the same buckets as the original."""
+        if self.in_backward:
+            raise RuntimeError("load_bucket_layout: cannot change buckets during a backward pass")
+        if list(layout["names"]) != self._names:
+            mismatch = next(
+                (f"{a!r} here, {b!r} saved" for a, b in zip(self._names, layout["names"], strict=False) if a != b),
+                f"{len(self._names)} parameters here, {len(layout['names'])} saved",
+            )
+            raise ValueError(
+                "load_bucket_layout: the checkpoint's bucket layout is for other parameters "
+                f"({mismatch}); load it into the model it was saved from"
+            )
+        if layout["rebuilt"]:
+            self._rebuild_in_order(list(layout["order"]))
+            self._rebuild.settle()
+
+    def rebuild_if_due(self, source_rank: int = 0) -> bool:
+        """Do the one-time rebuild now if it is due (a collective then: group rank ``source_rank``'s ready
+        order is broadcast, so every rank builds the same buckets); whether it ran."""
+        order = self._rebuild.take_due()
+        if order is None:
+            return False
+        with reporting_lost_peers(self._synced_backwards, "rebuilding buckets", self._group):
+            self._rebuild_in_order(broadcast_order(order, self._group, source_rank))
+        return True
 
     def _adopt_hook_state_layout(self) -> None:
         """Before the first iteration: reduce in the buckets the hook state was made in (its ``bucket_layout``:
@@ -288,40 +421,19 @@ class Reducer(ReducerSurface):
         ``bucket_cap_mb``), is left alone: the state is keyed by parameter and resumes in any layout.
         """
         layout = getattr(self._runner.state, "bucket_layout", None)
-        if not layout or self._rebuild_done:  # no rebuild to anticipate (find_unused_parameters: the initial)
+        order = self._rebuild.hook_state_order(layout, self._names)
+        if order is None:
             return
-        index = {name: i for i, name in enumerate(self._names)}
-        if not all(isinstance(key, str) and key in index for keys in layout for key in keys):
-            return
-        groups = [[index[key] for key in keys] for keys in layout]
-        order = [i for group in groups for i in group]
-        if sorted(order) != list(range(len(self._params))):
-            return
-        rebuilt = assign_buckets(
-            self._params, order, self._first_limit, self._limit, limits=self._bucket_caps, alone=self._sparse
-        )
-        if rebuilt != groups:
-            logger.debug("the hook state's bucket layout is not what this DDP would build; keeping its own")
-            return
-        self._rebuild_in_order(order, broadcast=False)
-        self._rebuild_done, self._rebuild_order, self._ready_order = True, None, []
+        self._rebuild_in_order(order)
+        self._rebuild.settle()
         self._runner.setup_checked = False  # the ranks compare the adopted buckets before the first step
-        logger.debug("adopted the hook state's %d buckets", len(groups))
+        logger.debug("adopted the hook state's %d buckets", len(self._buckets))
 
-    def _rebuild_in_order(self, ready_order: list[int], broadcast: bool = True, source_rank: int = 0) -> None:
-        order = torch.tensor(ready_order, dtype=torch.int64, device=collective_device(self._group))
-        if broadcast:  # one rank's order (rank 0's), so that every rank has the same buckets
-            src = dist.get_global_rank(self._group or dist.group.WORLD, source_rank)
-            dist.broadcast(order, src=src, group=self._group)
+    def _rebuild_in_order(self, order: list[int]) -> None:
         # gradient_as_bucket_view=True: .grad move into the new buckets, as torch's; by default they stay
         # where they are until their next gradient (a .grad held there must keep receiving the results)
         old_grads = [p.grad for p in self._params] if self._as_view else []
-        self._build_buckets(
-            assign_buckets(
-                self._params, order.tolist(), self._first_limit, self._limit, limits=self._bucket_caps, alone=self._sparse
-            )
-        )
-        self._has_rebuilt = True
+        self._build_buckets(self._rebuild.groups(order), rebuilt=True)
         for index, grad in enumerate(old_grads):
             bucket, position = self._location[index]
             if grad is not None and bucket.grads_are_views:
@@ -330,46 +442,45 @@ class Reducer(ReducerSurface):
                 self._params[index].grad = view
         if old_grads:
             self._note_views_handed_out()
-        self._reset_iteration()
         logger.debug("rebuilt %d buckets in gradient-ready order", len(self._buckets))
 
-    # -- per-iteration mechanics ----------------------------------------------------------------------------
-    def _reset_iteration(self) -> None:
-        self._ready = bytearray(len(self._params))
-        for bucket in self._buckets:
-            if not bucket.sparse:
-                bucket.staged.discard()
-        self._pending = [len(bucket.param_indices) for bucket in self._buckets]
-        self._futures: list[torch.futures.Future | None] = [None] * len(self._buckets)
-        self._next_bucket = 0
-        self._started = False  # a gradient of the armed backward has arrived
-        self._finalize_queued = False
-        self._end_queued = False
-        self._end_at_first_grad = False
-        # static graph: how a gradient is counted before its parameter is ready (None: it is ready at once)
-        self._counting: StaticCounting | None = None
-        self._unused: list[int] = []
-        self._unused_at_end = False
-        self._locally_used = self._used_map if self._static.reduces_used_map(self._find_unused) else None
-
+    # -- per-gradient mechanics ------------------------------------------------------------------------------
     def _on_grad_ready(self, index: int) -> None:
         if not self._armed:
             if self._find_unused:  # torch carries the used map across no_sync iterations
                 self._used_map[index] = 1
             return
-        if not self._started:
-            self._started = True
-            if self._end_at_first_grad:
+        it = self._iteration
+        if not it.started:
+            it.started = True
+            if it.end_at_first_grad:
                 self._queue_end_of_backward()
-            for unused in self._unused:
+            for unused in it.unused:
                 self._mark(unused)
-        if self._locally_used is not None:
-            self._locally_used[index] = 1
-        if self._counting is StaticCounting.FIRST and self._count_first(index):
+        if it.locally_used is not None:
+            it.locally_used[index] = 1
+        counting = it.counting
+        if counting is StaticCounting.FIRST and self._count_first(it, index):
             return
-        if self._counting is StaticCounting.DOWN and self._count_down(index):
+        if counting is StaticCounting.DOWN and self._count_down(it, index):
             return
         self._mark(index)
+
+    def _count_first(self, it: Iteration, index: int) -> bool:
+        """First static iteration: count the gradient, defer marking to the end of backward (as torch)."""
+        it.first_counts[index] += 1
+        order = self._rebuild.ready_order
+        if it.first_counts[index] == 1 and order is not None:
+            order.append(index)
+        return True
+
+    def _count_down(self, it: Iteration, index: int) -> bool:
+        """Later static iterations: a parameter is ready at its last gradient of the first iteration's count."""
+        left = it.countdown[index] - 1
+        if left < 0:
+            raise graph_changed_error(self._names[index], self._static.hook_counts[index])
+        it.countdown[index] = left
+        return left > 0
 
     def _mark(self, index: int) -> None:
         """The per-gradient step of a parameter: dense into its bucket view, or sparse into a bucket of its own."""
@@ -379,13 +490,16 @@ class Reducer(ReducerSurface):
             self._mark_ready(index)
 
     def _mark_ready(self, index: int) -> None:
-        if self._ready[index]:
+        it = self._iteration
+        if it.ready[index]:
             raise marked_twice_error(self._names[index])
-        self._ready[index] = 1
-        if not self._rebuild_done:
-            self._ready_order.append(index)
+        it.ready[index] = 1
+        order = self._rebuild.ready_order
+        if order is not None:
+            order.append(index)
         bucket, position = self._location[index]
-        if self._as_view is None and self._pending[bucket.index] == len(bucket.views):
+        pending = it.pending
+        if self._as_view is None and pending[bucket.index] == len(bucket.views):
             self._protect_handed_out(bucket)
         view = bucket.views[position]
         param = self._params[index]
@@ -404,8 +518,8 @@ class Reducer(ReducerSurface):
             if in_bucket:
                 grad = None
         bucket.staged.put(position, grad, self._write_scale())
-        self._pending[bucket.index] -= 1
-        if self._pending[bucket.index] == 0:
+        pending[bucket.index] -= 1
+        if pending[bucket.index] == 0:
             self._launch_ready_buckets()
 
     def _write_scale(self) -> float | None:
@@ -435,37 +549,40 @@ class Reducer(ReducerSurface):
 
     def _mark_sparse_ready(self, index: int) -> None:
         """:meth:`_mark_ready` for a parameter with a sparse gradient (a bucket of its own; see ddp/sparse.py)."""
-        if self._ready[index]:
+        it = self._iteration
+        if it.ready[index]:
             raise marked_twice_error(self._names[index])
-        self._ready[index] = 1
-        if not self._rebuild_done:
-            self._ready_order.append(index)
+        it.ready[index] = 1
+        order = self._rebuild.ready_order
+        if order is not None:
+            order.append(index)
         bucket = self._location[index][0]
         divisor = self._grad_divisor if self._runner.averages_itself else None
         bucket.take(self._params[index].grad, divisor, self._names[index])
-        self._pending[bucket.index] -= 1
-        if self._pending[bucket.index] == 0:
+        it.pending[bucket.index] -= 1
+        if it.pending[bucket.index] == 0:
             self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
+        it = self._iteration
         try:
-            while self._next_bucket < len(self._buckets) and self._pending[self._next_bucket] == 0:
-                bucket = self._buckets[self._next_bucket]
+            while it.next_bucket < len(self._buckets) and it.pending[it.next_bucket] == 0:
+                bucket = self._buckets[it.next_bucket]
                 if not bucket.sparse:
                     bucket.staged.flush(self._write_scale())
                 if self._check_finite:
                     check_bucket_finite(bucket, self._names, self._synced_backwards)
                 if bucket.index == 0:
-                    self.stats.begin_step()
+                    self._runner.stats.begin_step()
                 future = self._runner.launch(bucket.grad_bucket(), self._synced_backwards)
-                self._futures[bucket.index] = future
-                self._next_bucket += 1
+                it.futures[bucket.index] = future
+                it.next_bucket += 1
                 if future.done():  # if it failed, stop before the next bucket's collectives are launched
                     self._raise_if_failed(bucket, future)
-            if self._next_bucket == len(self._buckets) and not self._finalize_queued:
+            if it.next_bucket == len(self._buckets) and not it.finalize_queued:
                 # as torch: finalize at the end of the backward in which the last bucket became ready, which
                 # under reentrant checkpointing is the outer one whenever outer gradients are still to come
-                self._finalize_queued = True
+                it.finalize_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         except BaseException as exc:
             self._fail(exc)
@@ -477,10 +594,18 @@ class Reducer(ReducerSurface):
         try:
             self._runner.result(future, bucket.index, bucket.buffer, step)
         except BaseException:
+            futures = self._iteration.futures
             for earlier in self._buckets[: bucket.index]:
-                if self._futures[earlier.index].done():
-                    self._runner.result(self._futures[earlier.index], earlier.index, earlier.buffer, step)
+                if futures[earlier.index].done():
+                    self._runner.result(futures[earlier.index], earlier.index, earlier.buffer, step)
             raise
+
+    # -- the end of backward ---------------------------------------------------------------------------------
+    def delay_all_reduce(self) -> None:
+        """A static graph's first iteration: reduce every bucket now if the running backward has not done it
+        yet (torch's ``_delay_all_reduce``, which Lightning calls after a manual backward)."""
+        if self.in_backward and self._iteration.counting is StaticCounting.FIRST:
+            self._end_of_backward()
 
     def _end_of_backward(self) -> None:
         """Autograd-engine callback at the end of the outermost backward, when parameters without a gradient
@@ -488,46 +613,46 @@ class Reducer(ReducerSurface):
         ``_delay_all_reduce``) and ``find_unused_parameters`` without an output to search."""
         if not self._armed:
             return
-        queued, self._finalize_queued = self._finalize_queued, True  # finalize here or in the one queued
+        it = self._iteration
+        queued, it.finalize_queued = it.finalize_queued, True  # finalize here or in the one queued
         try:
-            if self._counting is StaticCounting.FIRST:
-                self._counting = None
-                self._static.hook_counts = list(self._first_counts)
-                order, self._ready_order = self._ready_order, []
+            if it.counting is StaticCounting.FIRST:
+                it.counting = None
+                self._static.hook_counts = list(it.first_counts)
+                order = self._rebuild.restart_recording()
                 seen = set(order)
                 for index in [*order, *(i for i in range(len(self._params)) if i not in seen)]:
                     self._mark(index)
-            elif self._unused_at_end:
-                index = self._ready.find(0)
+            elif it.unused_at_end:
+                index = it.ready.find(0)
                 while index != -1:
                     self._mark(index)
-                    index = self._ready.find(0, index + 1)
+                    index = it.ready.find(0, index + 1)
         except BaseException as exc:
             self._fail(exc)
             raise
-        if self._next_bucket == len(self._buckets) and not queued:
+        if it.next_bucket == len(self._buckets) and not queued:
             self._finalize()
 
     def _finalize(self) -> None:
         """Autograd-engine callback once the last bucket is launched: wait for the buckets and write ``.grad``."""
         self._armed = False
+        it = self._iteration
         step = self._synced_backwards
         peer_lost = False
         try:
-            self._write_results(step)
-            self.stats.end_step()
+            self._write_results(step, it)
+            self._runner.stats.end_step()
             self._synced_backwards += 1
-            if not self._rebuild_done:
-                self._rebuild_done = True
-                self._rebuild_order = self._ready_order
+            self._rebuild.step_done(ready_order_known=True)
         except BaseException as exc:
             peer_lost = isinstance(exc, PeerLostError)
             self._fail(exc)
             raise
         finally:
             if not peer_lost:  # after a lost peer the remaining collectives can only time out one by one
-                self._drain_futures()
-            self._futures = [None] * len(self._buckets)
+                wait_quietly(it.futures)  # no collective outlives the iteration (errors already raised)
+            it.futures = [None] * len(self._buckets)
         self._note_views_handed_out()  # only now: the futures' values may have been further views of the buffers
 
     def _note_views_handed_out(self) -> None:
@@ -537,16 +662,16 @@ class Reducer(ReducerSurface):
             if bucket.grads_are_views:
                 bucket.handed_out()
 
-    def _write_results(self, step: int) -> None:
+    def _write_results(self, step: int, it: Iteration) -> None:
         """Wait for every bucket's future, run the collectives after the last bucket, write ``.grad``."""
         results = [
             self._runner.result(future, bucket.index, bucket.buffer, step)
-            for bucket, future in zip(self._buckets, self._futures, strict=True)
+            for bucket, future in zip(self._buckets, it.futures, strict=True)
         ]
-        globally_used = self._after_last_bucket(step, results, self._locally_used)
-        globally_used = self._static.after_step(self._locally_used, globally_used)
-        if self._locally_used is not None:
-            self._locally_used.zero_()
+        globally_used = self._after_last_bucket(step, results, it.locally_used)
+        globally_used = self._static.after_step(it.locally_used, globally_used)
+        if it.locally_used is not None:
+            it.locally_used.zero_()
         for bucket, result in zip(self._buckets, results, strict=True):
             if bucket.sparse:
                 if globally_used is None or globally_used[bucket.param_indices[0]]:
@@ -579,10 +704,8 @@ class Reducer(ReducerSurface):
             self._fail(exc)
             raise
         self._synced_backwards += 1
-        if not self._rebuild_done:
-            # Rebuild with the others at the next step; a training rank's order is broadcast to this one.
-            self._rebuild_done = True
-            self._rebuild_order = list(self._layout_order)
+        # rebuild with the others at the next step; a training rank's order is broadcast to this one
+        self._rebuild.step_done(ready_order_known=False)
 
     def _after_last_bucket(
         self, step: int, results: list[torch.Tensor], locally_used: torch.Tensor | None
@@ -601,9 +724,5 @@ class Reducer(ReducerSurface):
                 dist.all_reduce(reduced, group=self._group)
                 globally_used = reduced.tolist()
             for bucket, result in zip(self._buckets, results, strict=True):
-                self.stats.compare_result(bucket.index, result, self._group)
+                self._runner.stats.compare_result(bucket.index, result, self._group)
         return globally_used
-
-    def _drain_futures(self) -> None:
-        """Wait for every launched future so no collective outlives the iteration (errors already raised)."""
-        wait_quietly(self._futures)

@@ -227,7 +227,7 @@ class TorchDDPSurface(TorchDDP):
                 "this one was built with process_group=... Pickle ddp.module instead, or its state_dict()."
             )
         state = copy.copy(self.__dict__)
-        for dropped in ("process_group", "reducer", "_group"):
+        for dropped in ("process_group", "reducer", "_reducer", "_group"):
             state.pop(dropped, None)
         state["_join"] = None
         return state
