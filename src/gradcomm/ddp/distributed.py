@@ -523,7 +523,7 @@ class DistributedDataParallel(TorchDDPSurface):
         Hook state is kept per parameter and resumes in any layout; a resumed run that reduces in the original
         run's buckets from its first step also sums in the same order, so it continues bit for bit.
         """
-        return self._reducer.bucket_layout()
+        return self._reducer.layout.bucket_layout(self._reducer.names)
 
     def load_bucket_layout(self, layout: dict[str, Any]) -> None:
         """Adopt a layout from :meth:`bucket_layout` (before the resumed run's first backward)."""

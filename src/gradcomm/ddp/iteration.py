@@ -9,7 +9,9 @@ buckets, the rebuild, the static graph's record, the step count) stays on the re
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -48,3 +50,13 @@ class Iteration:
     """Static graph's first iteration: the gradients each parameter received."""
     countdown: list[int] = field(default_factory=list)
     """Static graph's later iterations: the gradients each parameter still awaits before it is ready."""
+
+    @classmethod
+    def start(cls, count: int, buckets: Sequence[Any], locally_used: torch.Tensor | None) -> Iteration:
+        """A backward over ``count`` parameters in ``buckets``, none ready yet."""
+        return cls(
+            bytearray(count),
+            [len(bucket.param_indices) for bucket in buckets],
+            [None] * len(buckets),
+            locally_used,
+        )

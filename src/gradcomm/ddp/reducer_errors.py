@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-__all__ = ["graph_changed_error", "marked_twice_error", "unfinished_reduction_error"]
+__all__ = [
+    "graph_changed_error",
+    "marked_twice_error",
+    "not_finalized_error",
+    "registering_too_late",
+    "static_graph_too_late_error",
+    "unfinished_reduction_error",
+]
 
 
 def marked_twice_error(name: str) -> RuntimeError:
@@ -97,4 +104,34 @@ def graph_changed_error(name: str, first_count: int) -> RuntimeError:
         f"gradcomm.DistributedDataParallel(static_graph=True): parameter {name} received more gradients in this "
         f"backward than in the first iteration ({first_count}); construct the DDP without static_graph if the "
         "set of used parameters changes between iterations."
+    )
+
+
+def not_finalized_error(unready: list[str]) -> RuntimeError:
+    """torch's ``_check_reducer_finalized`` found the last synchronised backward unfinished: no gradient
+    arrived for the parameters ``unready``, so their buckets were never reduced."""
+    return RuntimeError(
+        "gradcomm.DistributedDataParallel: the last backward did not finish reducing: no gradient "
+        f"arrived for {', '.join(unready[:10])}. Pass find_unused_parameters=True if they are unused on "
+        "purpose."
+    )
+
+
+def static_graph_too_late_error(steps: int) -> RuntimeError:
+    """``_set_static_graph()`` after ``steps`` synchronised iterations (or during the first); torch's
+    sentence first."""
+    return RuntimeError(
+        "set_static_graph() should be called before training loop starts and after "
+        "DistributedDataParallel is constructed. "
+        "gradcomm.DistributedDataParallel._set_static_graph() must be called before the first "
+        f"synchronised iteration ({steps} already ran); pass static_graph=True to the "
+        "constructor instead"
+    )
+
+
+def registering_too_late(steps: int, hook_name: str) -> str:
+    """When ``register_comm_hook`` must be called, since ``steps`` steps already ran with ``hook_name``."""
+    return (
+        "before the first backward, and before the first synchronised forward (where the ranks compare "
+        f"their setup); {steps} synchronised backward pass(es) already ran with {hook_name}"
     )

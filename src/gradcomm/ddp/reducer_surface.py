@@ -4,7 +4,7 @@ torch's DDP keeps its C++ reducer in ``ddp.reducer``, and Lightning, Accelerate 
 it there (``prepare_for_backward``, ``_rebuild_buckets``, ``_delay_all_reduce``, ...). gradcomm's DDP puts a
 :class:`ReducerSurface` there, which holds the :class:`~gradcomm.ddp.reducer.Reducer` and answers those calls,
 and gradcomm's own introspection (bucket names and sizes, statistics, the bucket layout for checkpoints),
-through the reducer's public methods and read-only properties. The DDP itself drives the reducer directly.
+through the reducer's public methods and the parts it exposes (see :class:`~gradcomm.ddp.reducer.Reducer`). The DDP itself drives the reducer directly.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class ReducerSurface:
 
     @property
     def has_rebuilt_buckets(self) -> bool:
-        return self._reducer.rebuild.has_rebuilt
+        return self._reducer.layout.has_rebuilt
 
     # -- gradcomm's introspection ---------------------------------------------------------------------------
     @property
@@ -85,21 +85,21 @@ class ReducerSurface:
 
     @property
     def bucket_count(self) -> int:
-        return len(self._reducer.buckets)
+        return len(self._reducer.layout.buckets)
 
     def bucket_parameter_names(self) -> list[list[str]]:
         """The parameter names in each bucket, in bucket order."""
         names = self._reducer.names
-        return [[names[i] for i in bucket.param_indices] for bucket in self._reducer.buckets]
+        return [[names[i] for i in bucket.param_indices] for bucket in self._reducer.layout.buckets]
 
     def bucket_sizes_bytes(self) -> list[int]:
         """Each bucket's size in bytes (a sparse bucket: its parameter's dense size)."""
-        return [sum(p.numel() * p.element_size() for p in bucket.params) for bucket in self._reducer.buckets]
+        return [sum(p.numel() * p.element_size() for p in bucket.params) for bucket in self._reducer.layout.buckets]
 
     def bucket_layout(self) -> dict[str, Any]:
         """The bucket layout as plain values, for checkpoints: the parameter order the buckets are (or, after
         a pending rebuild, will be) built from, and whether the one-time rebuild has happened."""
-        return self._reducer.bucket_layout()
+        return self._reducer.layout.bucket_layout(self._reducer.names)
 
     def load_bucket_layout(self, layout: dict[str, Any]) -> None:
         """Adopt a saved :meth:`bucket_layout`, so a resumed run reduces in the same buckets as the original."""
