@@ -26,10 +26,9 @@ or infinity leaves the rank), and :meth:`join` for ranks with different numbers 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,9 +47,10 @@ from gradcomm.ddp.reducer_surface import ReducerSurface
 from gradcomm.ddp.sparse import expects_sparse_gradient
 from gradcomm.ddp.telemetry import CommStats
 from gradcomm.ddp.torch_compat import (
+    NoProcessGroup,
     TorchDDPSurface,
-    UnsupportedArgumentError,
-    refuse_unsupported_arguments,
+    check_arguments,
+    move_to,
     resolve_buffer_sync,
 )
 from gradcomm.errors import GradcommError
@@ -58,15 +58,6 @@ from gradcomm.hooks import parameter_keys
 from gradcomm.hooks.contract import CommHook
 
 __all__ = ["CHECK_PARAMETERS_EVERY", "DistributedDataParallel", "ParameterMismatchError"]
-
-
-def _require_process_group(process_group: ProcessGroup | None, who: str) -> ProcessGroup:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            f"{who} needs an initialized default process group: call torch.distributed.init_process_group(...) "
-            "first (torchrun sets the environment it needs), or use gradcomm.testing.run_on_ranks in tests"
-        )
-    return process_group if process_group is not None else dist.group.WORLD
 
 
 class ParameterMismatchError(GradcommError, ValueError, RuntimeError):
@@ -97,30 +88,8 @@ def _check_same_parameters(module: nn.Module, group: ProcessGroup) -> None:
             )
 
 
-class _NoProcessGroup:
-    """The reducer of a DDP unpickled without a process group: every use says what to do."""
-
-    def __getattr__(self, name: str) -> NoReturn:
-        raise RuntimeError(
-            "gradcomm.DistributedDataParallel was unpickled while no default process group was initialized, so "
-            "it has no reducer and cannot train or synchronise. Call torch.distributed.init_process_group(...) "
-            "before loading it (the reducer is then rebuilt on the default group, without a hook, as torch "
-            "does), or use its .module for inspection."
-        )
-
-
 CHECK_PARAMETERS_EVERY = 20
 """The default interval, in synchronised steps, of the replica check (see ``check_parameters_every``)."""
-
-
-def _move_to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_move_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _move_to(v, device) for k, v in value.items()}
-    return value
 
 
 class DistributedDataParallel(TorchDDPSurface):
@@ -217,7 +186,12 @@ class DistributedDataParallel(TorchDDPSurface):
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
-        refuse_unsupported_arguments(
+        group = check_arguments(
+            module,
+            process_group,
+            device_ids,
+            check_reduction,
+            check_parameters_every,
             delay_all_reduce_named_params=delay_all_reduce_named_params,
             param_to_hook_all_reduce=param_to_hook_all_reduce,
             mixed_precision=mixed_precision,
@@ -225,29 +199,6 @@ class DistributedDataParallel(TorchDDPSurface):
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             batched_grad_copy=batched_grad_copy,
         )
-        if getattr(module, "_ddp_params_and_buffers_to_ignore", None):
-            raise UnsupportedArgumentError(
-                "gradcomm.DistributedDataParallel does not support parameters and buffers to ignore "
-                "(torch's _set_params_and_buffers_to_ignore_for_model): set requires_grad=False on parameters "
-                "that must not be reduced, and keep rank-local state out of the module's buffers"
-            )
-        group = _require_process_group(process_group, "gradcomm.DistributedDataParallel")
-        if check_parameters_every is not None and check_parameters_every < 0:
-            raise ValueError(
-                "gradcomm.DistributedDataParallel: check_parameters_every must be a positive number of steps, "
-                f"or None or 0 to never check; got {check_parameters_every}"
-            )
-        if device_ids is not None and len(device_ids) > 1:
-            raise ValueError(
-                f"gradcomm.DistributedDataParallel supports one device per process; got device_ids={list(device_ids)}"
-            )
-        if check_reduction:
-            warnings.warn(
-                "The `check_reduction` argument in `DistributedDataParallel` module is deprecated. Please avoid "
-                "using it.",
-                FutureWarning,
-                stacklevel=2,
-            )
         forward_sync, init_sync_buffers = resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
         bucket_caps = bucket_size_list(bucket_cap_mb_list)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
@@ -333,7 +284,7 @@ class DistributedDataParallel(TorchDDPSurface):
                 self._set_static_graph()
         else:
             self.process_group = self._group = None
-            self.reducer = self._reducer = _NoProcessGroup()  # type: ignore[assignment]
+            self.reducer = self._reducer = NoProcessGroup()  # type: ignore[assignment]
             self.static_graph = static
 
     @property
@@ -357,7 +308,7 @@ class DistributedDataParallel(TorchDDPSurface):
             self._reducer.disarm()
         self._broadcast_buffers(source)
         if self._input_device is not None:
-            inputs, kwargs = _move_to(inputs, self._input_device), _move_to(kwargs, self._input_device)
+            inputs, kwargs = move_to(inputs, self._input_device), move_to(kwargs, self._input_device)
         with self._inside_ddp_forward():  # torch's marker for dynamo's DDPOptimizer (a class attribute in eager)
             output = self.module(*inputs, **kwargs)
         if synchronise and self.require_backward_grad_sync:  # Lightning turns it off inside manual optimization

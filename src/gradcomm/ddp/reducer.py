@@ -110,7 +110,7 @@ class Reducer:
         self._sparse = list(sparse) if sparse is not None and any(sparse) else None
         self._find_unused = find_unused_parameters
         # True: .grad are bucket views (torch's option); None: views where safe (the default, see
-        # BucketLayout.grads_as_views and _mark_ready); False: .grad are copies, as torch's default
+        # BucketLayout.grads_as_views and Bucket.take_gradient); False: .grad are copies, as torch's default
         self._as_view = gradient_as_bucket_view
         if gradient_as_bucket_view is None:
             prepare_grad_references()
