@@ -23,8 +23,6 @@ __all__ = ["ReducerSurface"]
 class ReducerSurface:
     """torch's C++ reducer's methods, and gradcomm's introspection, answered by ``reducer``."""
 
-    __slots__ = ("_reducer",)
-
     def __init__(self, reducer: Reducer) -> None:
         self._reducer = reducer
 
