@@ -224,7 +224,7 @@ def engine_checks() -> dict[str, Any]:
     for step in range(3):
         view.zero_grad(set_to_none=False)
         _backward(view, step)
-    storages = {b.buffer.untyped_storage().data_ptr() for b in view.reducer._buckets}
+    storages = {b.buffer.untyped_storage().data_ptr() for b in view._reducer.layout.buckets}
     out["grad_is_bucket_view"] = all(p.grad.untyped_storage().data_ptr() in storages for p in view.parameters())
 
     # checkpoints interchange with torch's DDP

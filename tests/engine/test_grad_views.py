@@ -65,7 +65,7 @@ def _pair(torch_views: bool = False, **kwargs: Any) -> tuple[list[nn.Module], li
 
 
 def _bucket_pointers(ddp: gradcomm.DistributedDataParallel) -> list[int]:
-    return [bucket.buffer.data_ptr() for bucket in ddp.reducer._buckets]
+    return [bucket.buffer.data_ptr() for bucket in ddp._reducer.layout.buckets]
 
 
 def _same_grads(a: nn.Module, b: nn.Module) -> bool:

@@ -10,6 +10,7 @@ ready order after it), grouped by dtype and device, since a bucket is one flat t
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ import torch
 from gradcomm.ddp.grad_hooks import after_accumulation
 from gradcomm.ddp.staging import StagedWrites
 from gradcomm.hooks.grad_bucket import GradBucket
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
@@ -269,6 +272,39 @@ class Bucket:
             if param.grad is not views[k] and _references(views, k) > _UNHELD_VIEW_REFS:
                 return True
         return False
+
+    def take_gradient(self, position: int, scale: float | None, by_default: bool, first: bool) -> bool:
+        """Take the ``.grad`` of the parameter at ``position`` (``None``: zeros) on its way into the buffer,
+        multiplied by ``scale`` if given, and make ``.grad`` the parameter's view (``grads_are_views``).
+
+        ``by_default``: views are only the default (``gradient_as_bucket_view=None``), so a ``.grad`` the
+        user holds keeps receiving the results (:attr:`copy_back`), and before the step's ``first`` write a
+        ``.grad`` of the last step still held makes the bucket :meth:`renew` itself. Returns whether the
+        gradient was part of a graph (``backward(create_graph=True)``): as torch, the bucket takes its value,
+        outside the graph.
+        """
+        if first and self.seen_by_user():
+            self.renew()
+            logger.debug("bucket %d: a .grad of the last step is still held; the bucket gets new memory", self.index)
+        view = self.views[position]
+        param = self.params[position]
+        grad = param.grad
+        in_graph = False
+        if grad is None:
+            view.zero_()
+        else:
+            in_bucket = grad is view or same_tensor(grad, view)
+            if self.grads_are_views and not in_bucket:
+                if by_default and grad_held_elsewhere(grad):
+                    self.copy_back.add(position)  # the user holds this .grad: torch's copy back into it
+                else:
+                    param.grad = view
+            if grad.requires_grad:
+                grad, in_graph = grad.detach(), True
+            if in_bucket:
+                grad = None
+        self.staged.put(position, grad, scale)
+        return in_graph
 
     def write_gradients(self, globally_used: list[int] | None) -> None:
         """Give the parameters their reduced gradients (the buffer, reduced): the views (``grads_are_views``,

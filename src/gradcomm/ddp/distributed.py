@@ -14,11 +14,11 @@ naming the step and the bucket (or buffer broadcast, join flag, ...) it was comm
 peer's connection closes, at the latest when the timeout passes. A hook that raises or whose future fails
 raises :class:`~gradcomm.CommHookError` with the hook, bucket, step and the original traceback. After any
 failure in a synchronised step the DDP refuses to continue (its collectives may be out of step with its
-peers'): restart and resume from a checkpoint (:mod:`gradcomm.ddp.checkpoint`).
+peers'): restart and resume from a checkpoint (:mod:`gradcomm.checkpoint`).
 
 At the first synchronised forward (or at ``register_comm_hook``) the ranks compare hook, hook options, bucket
 layout and the options that add collectives, and all raise
-:class:`~gradcomm.ddp.agreement.RanksDisagreeError` if they differ. Every ``check_parameters_every`` steps
+:class:`~gradcomm.comm.agreement.RanksDisagreeError` if they differ. Every ``check_parameters_every`` steps
 (20 by default) they compare checksums of their parameters and all raise
 :class:`~gradcomm.comm.faults.ParameterDriftError` if the replicas differ. Optional: ``check_finite`` (no NaN
 or infinity leaves the rank), and :meth:`join` for ranks with different numbers of batches.
@@ -26,10 +26,9 @@ or infinity leaves the rank), and :meth:`join` for ranks with different numbers 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,11 +44,13 @@ from gradcomm.comm.telemetry import CommStats
 from gradcomm.ddp import join as uneven
 from gradcomm.ddp.bucketing import bucket_size_limits, bucket_size_list
 from gradcomm.ddp.reducer import Reducer
+from gradcomm.ddp.reducer_surface import ReducerSurface
 from gradcomm.ddp.sparse import expects_sparse_gradient
 from gradcomm.ddp.torch_compat import (
+    NoProcessGroup,
     TorchDDPSurface,
-    UnsupportedArgumentError,
-    refuse_unsupported_arguments,
+    check_arguments,
+    move_to,
     resolve_buffer_sync,
 )
 from gradcomm.errors import GradcommError
@@ -57,15 +58,6 @@ from gradcomm.hooks import parameter_keys
 from gradcomm.hooks.contract import CommHook
 
 __all__ = ["CHECK_PARAMETERS_EVERY", "DistributedDataParallel", "ParameterMismatchError"]
-
-
-def _require_process_group(process_group: ProcessGroup | None, who: str) -> ProcessGroup:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            f"{who} needs an initialized default process group: call torch.distributed.init_process_group(...) "
-            "first (torchrun sets the environment it needs), or use gradcomm.testing.run_on_ranks in tests"
-        )
-    return process_group if process_group is not None else dist.group.WORLD
 
 
 class ParameterMismatchError(GradcommError, ValueError, RuntimeError):
@@ -96,30 +88,8 @@ def _check_same_parameters(module: nn.Module, group: ProcessGroup) -> None:
             )
 
 
-class _NoProcessGroup:
-    """The reducer of a DDP unpickled without a process group: every use says what to do."""
-
-    def __getattr__(self, name: str) -> NoReturn:
-        raise RuntimeError(
-            "gradcomm.DistributedDataParallel was unpickled while no default process group was initialized, so "
-            "it has no reducer and cannot train or synchronise. Call torch.distributed.init_process_group(...) "
-            "before loading it (the reducer is then rebuilt on the default group, without a hook, as torch "
-            "does), or use its .module for inspection."
-        )
-
-
 CHECK_PARAMETERS_EVERY = 20
 """The default interval, in synchronised steps, of the replica check (see ``check_parameters_every``)."""
-
-
-def _move_to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_move_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _move_to(v, device) for k, v in value.items()}
-    return value
 
 
 class DistributedDataParallel(TorchDDPSurface):
@@ -216,7 +186,12 @@ class DistributedDataParallel(TorchDDPSurface):
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
-        refuse_unsupported_arguments(
+        group = check_arguments(
+            module,
+            process_group,
+            device_ids,
+            check_reduction,
+            check_parameters_every,
             delay_all_reduce_named_params=delay_all_reduce_named_params,
             param_to_hook_all_reduce=param_to_hook_all_reduce,
             mixed_precision=mixed_precision,
@@ -224,29 +199,6 @@ class DistributedDataParallel(TorchDDPSurface):
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             batched_grad_copy=batched_grad_copy,
         )
-        if getattr(module, "_ddp_params_and_buffers_to_ignore", None):
-            raise UnsupportedArgumentError(
-                "gradcomm.DistributedDataParallel does not support parameters and buffers to ignore "
-                "(torch's _set_params_and_buffers_to_ignore_for_model): set requires_grad=False on parameters "
-                "that must not be reduced, and keep rank-local state out of the module's buffers"
-            )
-        group = _require_process_group(process_group, "gradcomm.DistributedDataParallel")
-        if check_parameters_every is not None and check_parameters_every < 0:
-            raise ValueError(
-                "gradcomm.DistributedDataParallel: check_parameters_every must be a positive number of steps, "
-                f"or None or 0 to never check; got {check_parameters_every}"
-            )
-        if device_ids is not None and len(device_ids) > 1:
-            raise ValueError(
-                f"gradcomm.DistributedDataParallel supports one device per process; got device_ids={list(device_ids)}"
-            )
-        if check_reduction:
-            warnings.warn(
-                "The `check_reduction` argument in `DistributedDataParallel` module is deprecated. Please avoid "
-                "using it.",
-                FutureWarning,
-                stacklevel=2,
-            )
         forward_sync, init_sync_buffers = resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
         bucket_caps = bucket_size_list(bucket_cap_mb_list)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
@@ -305,7 +257,7 @@ class DistributedDataParallel(TorchDDPSurface):
         named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         self._group = self.process_group
-        self.reducer = Reducer(
+        self._reducer = Reducer(
             params,
             [name for name, _ in named],
             self.process_group,
@@ -320,6 +272,7 @@ class DistributedDataParallel(TorchDDPSurface):
             sparse=expects_sparse_gradient(self.module, params),
             bucket_caps=self._reducer_options["bucket_caps"],
         )
+        self.reducer = ReducerSurface(self._reducer)  # torch's C++ reducer's place, which frameworks reach into
 
     def _restore_after_unpickling(self) -> None:
         """Rebuild the reducer on the default group, as torch does, or leave the module for inspection only."""
@@ -331,37 +284,37 @@ class DistributedDataParallel(TorchDDPSurface):
                 self._set_static_graph()
         else:
             self.process_group = self._group = None
-            self.reducer = _NoProcessGroup()
+            self.reducer = self._reducer = NoProcessGroup()  # type: ignore[assignment]
             self.static_graph = static
 
     @property
     def synchronised_steps(self) -> int:
         """Synchronised steps completed on this rank; errors name steps counting from 0 (step ``n`` is the one
         after ``n`` completed steps). Under :meth:`join` a joined rank's shadow steps count too."""
-        return self.reducer.synchronised_steps
+        return self._reducer.synchronised_steps
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        self.reducer.check_usable()
+        self._reducer.check_usable()
         synchronise = torch.is_grad_enabled() and self.require_backward_grad_sync
         self.require_forward_param_sync = synchronise
         source = 0
         if self._join is not None and self._join_config.enable:
             source = uneven.training_step(self, synchronise)
         if synchronise:
-            self.reducer.prepare_for_forward(source)
+            self._reducer.prepare_for_forward(source)
             self._maybe_check_parameters(joined=False)
-            self.reducer.arm_for_forward()  # a backward inside the forward (manual optimization) syncs too
+            self._reducer.arm_for_forward()  # a backward inside the forward (manual optimization) syncs too
         else:
-            self.reducer.disarm()
+            self._reducer.disarm()
         self._broadcast_buffers(source)
         if self._input_device is not None:
-            inputs, kwargs = _move_to(inputs, self._input_device), _move_to(kwargs, self._input_device)
+            inputs, kwargs = move_to(inputs, self._input_device), move_to(kwargs, self._input_device)
         with self._inside_ddp_forward():  # torch's marker for dynamo's DDPOptimizer (a class attribute in eager)
             output = self.module(*inputs, **kwargs)
         if synchronise and self.require_backward_grad_sync:  # Lightning turns it off inside manual optimization
-            self.reducer.prepare_for_backward(output)
+            self._reducer.prepare_for_backward(output)
         elif synchronise:
-            self.reducer.disarm()
+            self._reducer.disarm()
         return output
 
     def _broadcast_buffers(self, source: int) -> None:
@@ -467,7 +420,7 @@ class DistributedDataParallel(TorchDDPSurface):
         step = self.synchronised_steps
         if not every or step == 0 or step % every or step == self._last_parameter_check:
             return
-        if self.reducer.replicas_may_differ():  # the model averager checks right after it averages
+        if self._reducer.runner.replicas_may_differ():  # the model averager checks right after it averages
             return
         self._last_parameter_check = step
         with reporting_lost_peers(step, "comparing parameter checksums", self._group):
@@ -509,28 +462,28 @@ class DistributedDataParallel(TorchDDPSurface):
         This is a collective: every rank must call it, with the same hook and options. The ranks compare
         the hook's qualified name, its state's plain options (numbers, strings, flags; not tensors), the
         bucket layout and the DDP options that add collectives, and all raise
-        :class:`~gradcomm.ddp.agreement.RanksDisagreeError`, naming what differs on which ranks, if they
+        :class:`~gradcomm.comm.agreement.RanksDisagreeError`, naming what differs on which ranks, if they
         disagree. A state that holds rank-specific plain values can define ``comm_hook_fingerprint() ->
         str`` to say what must agree.
         """
-        self.reducer.register_comm_hook(state, hook)
+        self._reducer.register_comm_hook(state, hook)
 
     def bucket_layout(self) -> dict[str, Any]:
-        """The bucket layout as plain values; saved by :func:`gradcomm.ddp.checkpoint.save_checkpoint`.
+        """The bucket layout as plain values; saved by :func:`gradcomm.checkpoint.save_checkpoint`.
 
         Hook state is kept per parameter and resumes in any layout; a resumed run that reduces in the original
         run's buckets from its first step also sums in the same order, so it continues bit for bit.
         """
-        return self.reducer.bucket_layout()
+        return self._reducer.layout.bucket_layout(self._reducer.names)
 
     def load_bucket_layout(self, layout: dict[str, Any]) -> None:
         """Adopt a layout from :meth:`bucket_layout` (before the resumed run's first backward)."""
-        self.reducer.load_bucket_layout(layout)
+        self._reducer.load_bucket_layout(layout)
 
     def comm_stats(self) -> CommStats:
-        """Per-step and cumulative communication statistics on this rank (see :mod:`gradcomm.ddp.telemetry`).
+        """Per-step and cumulative communication statistics on this rank (see :mod:`gradcomm.comm.telemetry`).
 
         Resettable (``.reset()``); set ``.measure_error = True`` for the compression error, ``.log_every`` to
         log through :mod:`logging`, ``.jsonl_path`` to append every step as a JSON line.
         """
-        return self.reducer.stats
+        return self._reducer.runner.stats

@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from gradcomm.ddp.unused import tensors_in
+
 if TYPE_CHECKING:
     from gradcomm.ddp.reducer import Reducer
 
-__all__ = ["EndOfBackwardHook", "GradReadyHook", "after_accumulation"]
+__all__ = ["EndOfBackwardHook", "GradReadyHook", "after_accumulation", "hook_end_of_backward", "hook_parameters"]
 
 
 def after_accumulation(
@@ -61,3 +63,27 @@ class EndOfBackwardHook:
         reducer = self.reducer()
         if reducer is not None:
             reducer._queue_end_of_backward()
+
+
+def hook_parameters(
+    params: list[torch.nn.Parameter], reducer: weakref.ref[Reducer]
+) -> tuple[list[RemovableHandle], list[torch.autograd.graph.Node]]:
+    """A :class:`GradReadyHook` after each parameter's accumulation; the handles, and the nodes to keep (see
+    :func:`after_accumulation`)."""
+    hooked = [after_accumulation(param, GradReadyHook(reducer, index)) for index, param in enumerate(params)]
+    return [handle for handle, _ in hooked], [node for _, node in hooked]
+
+
+def hook_end_of_backward(outputs: Any, reducer: weakref.ref[Reducer]) -> bool:
+    """Queue the reducer's end-of-backward callback when the backward through ``outputs`` ends; whether any
+    output is part of a graph (otherwise the reducer queues it at the first gradient).
+
+    As torch's ``_DDPSink``: a pre-hook on the outputs' autograd nodes queues it in the backward that
+    reaches them, the outermost one even under reentrant checkpointing.
+    """
+    hooked = False
+    for tensor in tensors_in(outputs):
+        if tensor.grad_fn is not None:
+            tensor.grad_fn.register_prehook(EndOfBackwardHook(reducer))
+            hooked = True
+    return hooked

@@ -74,11 +74,11 @@ class DDPJoinHook(JoinHook):
         active = [rank for rank, value in enumerate(values) if value]
         synchronising = SYNCHRONISED in values
         if synchronising:
-            ddp.reducer.prepare_for_forward(active[0])
+            ddp._reducer.prepare_for_forward(active[0])
             ddp._maybe_check_parameters(joined=True)
         ddp._broadcast_buffers(active[0])
         if synchronising:
-            ddp.reducer.shadow_backward()
+            ddp._reducer.shadow_backward()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank has joined: make the replicas identical again, then leave the join context."""
@@ -97,7 +97,7 @@ class DDPJoinHook(JoinHook):
 def leave(ddp: DistributedDataParallel) -> None:
     """Forget the join context (also after a failure inside it)."""
     ddp._join = None
-    ddp.reducer.set_active_ranks(None)
+    ddp._reducer.set_active_ranks(None)
 
 
 def exchange_flags(ddp: DistributedDataParallel, mode: int) -> list[int]:
@@ -144,5 +144,5 @@ def training_step(ddp: DistributedDataParallel, synchronise: bool) -> int:
     if notified is not None:
         notified.wait()
     if synchronise and not state.divide_by_initial_world_size:
-        ddp.reducer.set_active_ranks(len(active))
+        ddp._reducer.set_active_ranks(len(active))
     return active[0]

@@ -9,9 +9,10 @@ class without running its ``__init__`` (no C++ reducer is ever built), and this 
   can honour (logging data, built-in hooks, static graph, pickling), and a clear refusal,
   :class:`UnsupportedTorchMethodError`, for every inherited method that would otherwise reach torch's C++
   reducer or state gradcomm does not have;
-* the constructor-argument rules of torch 2.13: :func:`refuse_unsupported_arguments` (one
-  :class:`UnsupportedArgumentError` naming the argument and what to do instead) and
-  :func:`resolve_buffer_sync` (``broadcast_buffers``' deprecation in favour of ``forward_sync_buffers``).
+* the constructor-argument rules of torch 2.13: :func:`check_arguments` (with
+  :func:`refuse_unsupported_arguments`: one :class:`UnsupportedArgumentError` naming the argument and what to
+  do instead) and :func:`resolve_buffer_sync` (``broadcast_buffers``' deprecation in favour of
+  ``forward_sync_buffers``); :func:`move_to`, torch's move of the inputs to the device.
 """
 
 from __future__ import annotations
@@ -19,19 +20,25 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
+import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from gradcomm.errors import GradcommError
 from gradcomm.hooks.contract import check_hook
 
 __all__ = [
+    "NoProcessGroup",
     "TorchDDPSurface",
     "UnsupportedArgumentError",
     "UnsupportedTorchMethodError",
+    "check_arguments",
+    "move_to",
     "refuse_unsupported_arguments",
     "resolve_buffer_sync",
 ]
@@ -88,6 +95,56 @@ def refuse_unsupported_arguments(**given: Any) -> None:
                 f"{_OWNER} does not support {name}={value!r} (torch's DDP argument); {advice}."
                 f"{_torch_also_refuses(name, value)}"
             )
+
+
+def check_arguments(
+    module: nn.Module,
+    process_group: ProcessGroup | None,
+    device_ids: Sequence[int | torch.device] | None,
+    check_reduction: bool,
+    check_parameters_every: int | None,
+    **unsupported: Any,
+) -> ProcessGroup:
+    """The constructor's rules, in torch's order (and gradcomm's for its own arguments): raise, or warn, as
+    they say; returns the process group to reduce over (``None``: the default group)."""
+    refuse_unsupported_arguments(**unsupported)
+    if getattr(module, "_ddp_params_and_buffers_to_ignore", None):
+        raise UnsupportedArgumentError(
+            f"{_OWNER} does not support parameters and buffers to ignore "
+            "(torch's _set_params_and_buffers_to_ignore_for_model): set requires_grad=False on parameters "
+            "that must not be reduced, and keep rank-local state out of the module's buffers"
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{_OWNER} needs an initialized default process group: call torch.distributed.init_process_group(...) "
+            "first (torchrun sets the environment it needs), or use gradcomm.testing.run_on_ranks in tests"
+        )
+    if check_parameters_every is not None and check_parameters_every < 0:
+        raise ValueError(
+            f"{_OWNER}: check_parameters_every must be a positive number of steps, "
+            f"or None or 0 to never check; got {check_parameters_every}"
+        )
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError(f"{_OWNER} supports one device per process; got device_ids={list(device_ids)}")
+    if check_reduction:
+        warnings.warn(
+            "The `check_reduction` argument in `DistributedDataParallel` module is deprecated. Please avoid "
+            "using it.",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return process_group if process_group is not None else dist.group.WORLD
+
+
+def move_to(value: Any, device: torch.device) -> Any:
+    """``value`` (tensors, nested in lists, tuples and dicts) on ``device``, as torch's DDP moves its inputs."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, (list, tuple)):
+        return type(value)(move_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: move_to(v, device) for k, v in value.items()}
+    return value
 
 
 def _torch_also_refuses(name: str, value: Any) -> str:
@@ -227,7 +284,7 @@ class TorchDDPSurface(TorchDDP):
                 "this one was built with process_group=... Pickle ddp.module instead, or its state_dict()."
             )
         state = copy.copy(self.__dict__)
-        for dropped in ("process_group", "reducer", "_group"):
+        for dropped in ("process_group", "reducer", "_reducer", "_group"):
             state.pop(dropped, None)
         state["_join"] = None
         return state
@@ -238,6 +295,18 @@ class TorchDDPSurface(TorchDDP):
 
     def _restore_after_unpickling(self) -> None:
         raise NotImplementedError  # the subclass rebuilds its reducer
+
+
+class NoProcessGroup:
+    """The reducer of a DDP unpickled without a process group: every use says what to do."""
+
+    def __getattr__(self, name: str) -> NoReturn:
+        raise RuntimeError(
+            f"{_OWNER} was unpickled while no default process group was initialized, so "
+            "it has no reducer and cannot train or synchronise. Call torch.distributed.init_process_group(...) "
+            "before loading it (the reducer is then rebuilt on the default group, without a hook, as torch "
+            "does), or use its .module for inspection."
+        )
 
 
 def _default_group() -> Any:

@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import fields, is_dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from gradcomm.ddp.reducer_errors import graph_changed_error
+
+if TYPE_CHECKING:
+    from gradcomm.ddp.iteration import Iteration
 
 __all__ = ["StaticCounting", "UsedParameters", "parameters_reached", "tensors_in"]
 
@@ -82,6 +87,44 @@ class UsedParameters:
         # can give one several); later iterations mark it ready at the last of them, as torch does
         self.hook_counts: list[int] = []
         self._last_unused: tuple[int, ...] | None = None
+
+    def arm(self, it: Iteration) -> bool:
+        """Set up how the static graph's backward ``it`` counts gradients; whether its end must be hooked: in
+        the first iteration, which counts each parameter's gradients and reduces every bucket at the end of
+        backward (torch's ``_delay_all_reduce``)."""
+        if not self.recorded:
+            it.first_counts = [0] * self.count
+            it.counting = StaticCounting.FIRST
+            return True
+        it.unused = self.locally_unused
+        it.countdown = list(self.hook_counts)
+        it.counting = StaticCounting.DOWN
+        return False
+
+    def count_first(self, it: Iteration, index: int, ready_order: list[int] | None) -> bool:
+        """First iteration: count the gradient, recording the ready order, and defer marking to the end of
+        backward (as torch); whether the parameter waits (always)."""
+        it.first_counts[index] += 1
+        if it.first_counts[index] == 1 and ready_order is not None:
+            ready_order.append(index)
+        return True
+
+    def count_down(self, it: Iteration, index: int, name: str) -> bool:
+        """Later iterations: a parameter is ready at its last gradient of the first iteration's count; whether
+        it still waits."""
+        left = it.countdown[index] - 1
+        if left < 0:
+            raise graph_changed_error(name, self.hook_counts[index])
+        it.countdown[index] = left
+        return left > 0
+
+    def end_first_iteration(self, it: Iteration, recorded: list[int]) -> list[int]:
+        """The end of the first iteration's backward: keep the gradient counts; returns the order in which
+        every parameter is marked ready now: the ``recorded`` ready order, then the parameters without one."""
+        it.counting = None
+        self.hook_counts = list(it.first_counts)
+        seen = set(recorded)
+        return [*recorded, *(i for i in range(self.count) if i not in seen)]
 
     def reduces_used_map(self, find_unused: bool) -> bool:
         """Whether this iteration allreduces the used-parameter map: every iteration when searching for unused
