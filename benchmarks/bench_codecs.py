@@ -13,6 +13,12 @@ the same tree move by 30% or more between runs on a busy host, but blind to memo
 
     python benchmarks/bench_codecs.py [--workloads cnn transformer] [--methods signsgd terngrad ...] [--reps 30]
     python benchmarks/bench_codecs.py --instructions [--workloads ...] [--methods ...]
+    python benchmarks/bench_codecs.py --count [--workloads ...] [--methods ...] [--tensors 28 800]
+
+``--count`` counts instead the aten operators of one call of each method's whole hook (encoding, collectives
+and decoding, every thread: :func:`gradcomm.testing.op_count.hook_calls`) on a one-rank gloo group, with
+each workload's gradients as one bucket and with :func:`~gradcomm.testing.op_count.many_tensor_bucket` s of
+``--tensors`` tensors, beside a plain allreduce's; the table gives each method's count beyond allreduce's.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ from bench_compression import _one_bucket  # noqa: E402
 from gradcomm.compression.base import Compressor  # noqa: E402
 from gradcomm.compression.registry import methods  # noqa: E402
 from gradcomm.hooks.compression_hook import CompressionState  # noqa: E402
+from gradcomm.hooks.registry import make_comm_hook  # noqa: E402
+from gradcomm.testing import run_on_ranks  # noqa: E402
+from gradcomm.testing.op_count import hook_calls, many_tensor_bucket  # noqa: E402
 
 
 def _compressed_gradients(workload: str, compressor: Compressor) -> list[torch.Tensor]:
@@ -100,12 +109,46 @@ def instructions(workload: str, names: list[str]) -> dict[str, tuple[int, int]]:
     return {name: (counts[2 * i], counts[2 * i + 1]) for i, name in enumerate(names)}
 
 
+BASELINE = "allreduce"
+
+
+def op_counts(buckets: list[str], hooks: list[str]) -> dict[str, dict[str, int]]:
+    """Per bucket (a workload's name, or ``"N tensors"``), per hook, the aten operators of one hook call; run
+    on a one-rank group."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    counts: dict[str, dict[str, int]] = {}
+    for name in buckets:
+        bucket = many_tensor_bucket(int(name.split()[0])) if name.endswith("tensors") else _one_bucket(name)
+        counts[name] = {}
+        for hook in hooks:
+            fn, state = make_comm_hook(hook, process_group=dist.group.WORLD)
+            counts[name][hook] = hook_calls(fn, state, bucket)
+    return counts
+
+
+def count_table(counts: dict[str, dict[str, int]]) -> str:
+    """Markdown: one row per hook, one column per bucket, each count beyond allreduce's (allreduce's own)."""
+    names = list(counts)
+    lines = ["| hook | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for hook in next(iter(counts.values())):
+        cells = [
+            str(counts[name][hook]) if hook == BASELINE else f"{counts[name][hook] - counts[name][BASELINE]:+d}"
+            for name in names
+        ]
+        lines.append(f"| {hook} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", choices=["cnn", "transformer"], default=["cnn", "transformer"])
     parser.add_argument("--methods", nargs="+", default=sorted(methods()))
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--instructions", action="store_true", help="count instructions under callgrind instead")
+    parser.add_argument("--count", action="store_true", help="count the aten operators of one hook call instead")
+    parser.add_argument("--tensors", nargs="*", type=int, default=[28, 800], help="with --count: bucket sizes")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if os.environ.get(_UNDER_VALGRIND):
@@ -113,6 +156,12 @@ def main(argv: list[str] | None = None) -> None:
             _marked_passes(workload, args.methods)
         return
     print("$ python benchmarks/bench_codecs.py " + shlex.join(argv if argv is not None else sys.argv[1:]))
+    if args.count:
+        buckets = [*args.workloads, *(f"{n} tensors" for n in args.tensors)]
+        [counts] = run_on_ranks(op_counts, world_size=1, args=(buckets, [BASELINE, *args.methods]), timeout=3600.0)
+        print("\n### aten operators per hook call, one bucket (allreduce: its own; methods: beyond it)\n")
+        print(count_table(counts))
+        return
     if args.instructions:
         for workload in args.workloads:
             counts = instructions(workload, args.methods)
