@@ -31,8 +31,9 @@ from gradcomm import comm
 from gradcomm.comm.futures import when_all
 from gradcomm.comm.launcher import Launch, OrderedLauncher
 from gradcomm.compression._numerics import ordered_mean
-from gradcomm.compression.base import Compressor, Payload, RowwiseCompressor, TensorSpec
+from gradcomm.compression.base import Compressor, Payload, RowwiseCompressor, SegmentedCompressor, TensorSpec
 from gradcomm.compression.memory import Memory, NoMemory
+from gradcomm.compression.segments import Segments
 
 __all__ = [
     "ALLGATHER",
@@ -86,8 +87,53 @@ def compensated_compress(
     return payload, ctx
 
 
+def compensated_compress_segments(
+    compressor: SegmentedCompressor, memory: Memory, segments: Segments, flat: torch.Tensor, owned: bool = False
+) -> tuple[Payload, Any]:
+    """:func:`compensated_compress` of a whole bucket: ``flat`` holds ``segments``, compensated and stored
+    as one flat residual. ``owned``: ``flat`` is the caller's to overwrite (a copy of the bucket's values)."""
+    corrected = memory.compensate_segments(segments, flat)
+    try:
+        payload, ctx = compressor.compress_segments(corrected, segments)
+        if memory.enabled:
+            kept = corrected.clone() if corrected is flat and not owned else corrected
+            memory.store_segments(segments, compressor.residual_segments(kept, payload, ctx, segments))
+    except BaseException:
+        memory.discard_segments(segments)
+        raise
+    return payload, ctx
+
+
+@dataclass(frozen=True, eq=False)
+class SegmentCodec:
+    """A segmented compressor's decoding of one bucket, as a :class:`Message`'s ``compressor`` (the
+    exchanges call ``decompress`` and ``aggregate`` with a payload, a ``ctx`` and an ``out``)."""
+
+    compressor: SegmentedCompressor
+    segments: Segments
+
+    def decompress(self, payload: Payload, ctx: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.compressor.decompress_segments(payload, ctx, self.segments, out)
+
+    def aggregate(self, gathered: Payload, ctx: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.compressor.aggregate_segments(gathered, ctx, self.segments, out)
+
+
 class Communicator(ABC):
     """Encodes tensors (with error feedback) and exchanges a batch of their payloads asynchronously."""
+
+    def encode_segments(
+        self,
+        compressor: SegmentedCompressor,
+        segments: Segments,
+        flat: torch.Tensor,
+        memory: Memory,
+        world_size: int,
+        owned: bool = False,
+    ) -> Message:
+        """Compress a whole bucket's ``flat`` tensors for this exchange, with ``memory``'s error feedback."""
+        payload, ctx = compensated_compress_segments(compressor, memory, segments, flat, owned)
+        return Message(segments.keys, SegmentCodec(compressor, segments), payload, ctx)  # type: ignore[arg-type]
 
     def encode(
         self, compressor: Compressor, key: Hashable, tensor: torch.Tensor, memory: Memory, world_size: int

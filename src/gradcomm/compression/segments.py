@@ -1,0 +1,267 @@
+"""A segmented bucket: the tensors a hook compresses, back to back in one flat tensor, with their lengths and keys.
+
+A compressor that works on a :class:`Segments` layout encodes a whole bucket at once while keeping each
+tensor's own statistics (scales, norms, maxima, budgets, random draws): per-tensor values come from
+segmented operations (``torch.segment_reduce``, a gather by segment index), so the number of torch calls per
+bucket does not grow with its number of tensors. The index tensors these need (each element's segment, its
+place in a layout where every segment is padded to a multiple, each packed byte's segment) are computed
+once per layout and kept on the :class:`Segments` object, which the hook keeps per bucket layout.
+
+Helpers here are what several methods share: per-segment reductions and their broadcast back to elements
+(:func:`segment_reduce`, :meth:`Segments.expand`), bit packing whose bytes are those of packing every tensor
+on its own (:func:`pack_segments`, :func:`decode_segments`), and random bits keyed by segment
+(:func:`segment_noise`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gradcomm.compression._numerics import decode_bits, gather_rows, pack_bits
+
+__all__ = ["Segments", "decode_segments", "pack_segments", "segment_noise", "segment_reduce"]
+
+
+@dataclass(frozen=True, eq=False)
+class Segments:
+    """The layout of a flat tensor holding several tensors back to back: their lengths, keys and shapes.
+
+    Equal layouts compare by identity (the hook keeps one object per bucket layout, with its index tensors)."""
+
+    lengths: tuple[int, ...]
+    keys: tuple[Hashable, ...]
+    shapes: tuple[torch.Size, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor], keys: Sequence[Hashable]) -> Segments:
+        """The layout of ``tensors`` concatenated (all of one dtype and device)."""
+        return cls(
+            tuple(t.numel() for t in tensors),
+            tuple(keys),
+            tuple(t.shape for t in tensors),
+            tensors[0].dtype,
+            tensors[0].device,
+        )
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @functools.cached_property
+    def numel(self) -> int:
+        return sum(self.lengths)
+
+    @functools.cached_property
+    def starts(self) -> tuple[int, ...]:
+        """Where each segment begins in the flat tensor."""
+        return tuple(_starts(self.lengths))
+
+    @functools.cached_property
+    def lengths_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.lengths, dtype=torch.int64, device=self.device)
+
+    @functools.cached_property
+    def ids(self) -> torch.Tensor:
+        """Each element's segment (int64)."""
+        return _ids(self.lengths, self.device)
+
+    def expand(self, per_segment: torch.Tensor) -> torch.Tensor:
+        """One value per segment broadcast to its elements (``per_segment`` flat, of ``len(self)`` values)."""
+        if len(self) == 1:
+            return per_segment.reshape(1).expand(self.numel)
+        return per_segment.index_select(0, self.ids)
+
+    def padded(self, multiple: int) -> Padded:
+        """This layout with every segment padded to a multiple of ``multiple`` elements (cached)."""
+        cache = self.__dict__.setdefault("_padded", {})
+        if multiple not in cache:
+            cache[multiple] = Padded(self, multiple)
+        return cache[multiple]
+
+
+class Padded:
+    """A :class:`Segments` layout with each segment padded (at its end) to a multiple of ``multiple``."""
+
+    def __init__(self, segments: Segments, multiple: int):
+        self.segments = segments
+        self.multiple = multiple
+        self.lengths = tuple(-(-n // multiple) * multiple for n in segments.lengths)
+        self.numel = sum(self.lengths)
+        self.aligned = self.lengths == segments.lengths
+        self._index: torch.Tensor | None = None
+
+    @property
+    def index(self) -> torch.Tensor:
+        """Each element's place in the padded layout (only where it is not aligned)."""
+        if self._index is None:
+            self._index = _placement(self.segments.lengths, self.lengths, self.segments.device)
+        return self._index
+
+    def pad(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` in the padded layout, zeros in the padding (``flat`` itself where aligned)."""
+        if self.aligned:
+            return flat
+        return flat.new_zeros(self.numel).index_copy_(0, self.index, flat)
+
+    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
+        """The elements of a padded layout, without the padding."""
+        if self.aligned:
+            return padded[: self.segments.numel]
+        return padded.index_select(0, self.index)
+
+    @functools.cached_property
+    def ids(self) -> torch.Tensor:
+        """Each padded element's segment."""
+        return _ids(self.lengths, self.segments.device)
+
+
+def _starts(lengths: Sequence[int]) -> list[int]:
+    starts, total = [], 0
+    for length in lengths:
+        starts.append(total)
+        total += length
+    return starts
+
+
+def _placement(lengths: Sequence[int], wider: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Where each element of segments of ``lengths`` lies when segment ``s`` starts a segment of ``wider[s]``
+    elements."""
+    shifts = [w - n for w, n in zip(_starts(wider), _starts(lengths), strict=True)]
+    ids = _ids(lengths, device)
+    return torch.arange(len(ids), device=device).add_(
+        torch.tensor(shifts, dtype=torch.int64, device=device).index_select(0, ids)
+    )
+
+
+def _ids(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    counts = torch.tensor(lengths, dtype=torch.int64, device=device)
+    return torch.arange(len(lengths), device=device).repeat_interleave(counts, output_size=sum(lengths))
+
+
+def segment_reduce(values: torch.Tensor, reduce: str, segments: Segments) -> torch.Tensor:
+    """One ``reduce`` (``"sum"``, ``"mean"``, ``"max"``, ``"min"``) per segment of flat ``values``; a single
+    segment is reduced by the plain reduction (the same bits as before segments)."""
+    if len(segments) == 1:
+        single = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}[reduce]
+        return single(values).reshape(1)
+    return torch.segment_reduce(values, reduce, lengths=segments.lengths_tensor)
+
+
+# -- bit packing by segment: the bytes of packing every tensor on its own, back to back -----------------------
+def packed_lengths(lengths: Sequence[int], bits: int) -> tuple[int, ...]:
+    """Bytes of each segment's codes packed at ``bits`` bits (:func:`~gradcomm.compression._numerics.pack_bits`)."""
+    return tuple(-(-n * bits // 8) for n in lengths)
+
+
+def pack_segments(codes: torch.Tensor, segments: Segments, bits: int) -> torch.Tensor:
+    """Codes (``< 2**bits``, ``bits`` dividing 8) of every segment packed as ``pack_bits`` packs one tensor,
+    the segments' bytes back to back: one packing of the whole bucket, each segment padded to whole bytes."""
+    padded = segments.padded(8)
+    packed = pack_bits(padded.pad(codes), bits)
+    if padded.aligned:
+        return packed
+    return packed.index_select(0, _kept_bytes(segments, bits))
+
+
+def decode_segments(packed: torch.Tensor, segments: Segments, bits: int, tables: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_segments`, each code replaced by its value: ``tables[segment, code]`` with one
+    row of ``2**bits`` values per segment (or one row for all). A lookup per byte, as ``decode_bits``."""
+    padded = segments.padded(8)
+    if not padded.aligned:  # each segment's bytes at a multiple of 8 codes
+        bytes_ = packed.new_zeros(padded.numel * bits // 8).index_copy_(0, _kept_bytes(segments, bits), packed)
+    else:
+        bytes_ = packed
+    if tables.dim() == 1 or tables.shape[0] == 1:
+        decoded = decode_bits(bytes_, bits, padded.numel, tables.reshape(-1))
+    else:
+        decoded = _decode_by_segment(bytes_, bits, tables, _byte_ids(segments, bits))
+    return padded.unpad(decoded)
+
+
+def _decode_by_segment(packed: torch.Tensor, bits: int, tables: torch.Tensor, byte_ids: torch.Tensor) -> torch.Tensor:
+    """``decode_bits`` with one table per segment: byte ``b`` of segment ``s`` reads row ``256 s + b``."""
+    codes_per_byte = 8 // bits
+    patterns = _byte_patterns(bits, packed.device)
+    table = tables[:, patterns].reshape(-1, codes_per_byte) if bits < 8 else tables.reshape(-1, 1)
+    rows = packed.to(torch.int64).add_(byte_ids, alpha=256)
+    return gather_rows(table, rows).reshape(-1)
+
+
+@functools.lru_cache(maxsize=16)
+def _byte_patterns(bits: int, device: torch.device) -> torch.Tensor:
+    byte = torch.arange(256, device=device).unsqueeze(1)
+    return (byte >> torch.arange(0, 8, bits, device=device)) & ((1 << bits) - 1)
+
+
+def _kept_bytes(segments: Segments, bits: int) -> torch.Tensor:
+    """Of the bytes of the layout padded to 8 codes, those :func:`pack_segments` keeps (cached)."""
+    cache = segments.__dict__.setdefault("_kept_bytes", {})
+    if bits not in cache:
+        kept = packed_lengths(segments.lengths, bits)
+        cache[bits] = _placement(kept, [n * bits // 8 for n in segments.padded(8).lengths], segments.device)
+    return cache[bits]
+
+
+def _byte_ids(segments: Segments, bits: int) -> torch.Tensor:
+    """Each byte's segment, in the layout padded to 8 codes (cached)."""
+    cache = segments.__dict__.setdefault("_byte_ids", {})
+    if bits not in cache:
+        cache[bits] = _ids([n * bits // 8 for n in segments.padded(8).lengths], segments.device)
+    return cache[bits]
+
+
+# -- random bits keyed by segment ----------------------------------------------------------------------------
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+
+
+def _shifted_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """A logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> bits).bitwise_and_((1 << (64 - bits)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finalizer, in place: every output bit depends on every input bit."""
+    x = x.bitwise_xor_(_shifted_right(x, 30)).mul_(_MIX1)
+    x = x.bitwise_xor_(_shifted_right(x, 27)).mul_(_MIX2)
+    return x.bitwise_xor_(_shifted_right(x, 31))
+
+
+def segment_noise(seeds: torch.Tensor, padded: Padded) -> torch.Tensor:
+    """Independent int16, uniform over all 65,536 values, one per element of the ``padded`` layout (its
+    multiple a multiple of 4): element ``i`` of segment ``s`` is 16 bits of SplitMix64's output for
+    ``seeds[s] + (i // 4) * golden``, four elements per 64-bit word (counter-based: what a segment gets
+    depends on its seed alone, not on the bucket around it)."""
+    words = _word_layout(padded)
+    counters = seeds.index_select(0, words[0]).add_(words[1], alpha=_GOLDEN)
+    return _mix(counters).view(torch.int16)
+
+
+def _word_layout(padded: Padded) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each 64-bit word of noise (4 padded elements): its segment and its place in the segment (cached)."""
+    if not hasattr(padded, "_words"):
+        assert padded.multiple % 4 == 0
+        word_lengths = [n // 4 for n in padded.lengths]
+        ids = _ids(word_lengths, padded.segments.device)
+        starts = torch.tensor(_starts(word_lengths), dtype=torch.int64, device=padded.segments.device)
+        places = torch.arange(len(ids), device=ids.device).sub_(starts.index_select(0, ids))
+        padded._words = (ids, places)
+    return padded._words
+
+
+def seed_of(digest: bytes) -> int:
+    """A 64-bit seed (as int64) from a digest's first 8 bytes."""
+    value = int.from_bytes(digest[:8], "little")
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def uniform_noise_scale() -> float:
+    """:func:`segment_noise` times this is uniform on ``[-1/2, 1/2)`` in steps of ``2**-16``."""
+    return math.ldexp(1.0, -16)
