@@ -4,6 +4,7 @@ error-feedback bookkeeping, and finiteness at the edges of the floating-point ra
 import io
 import math
 import pickle
+import sys
 from functools import partial
 
 import numpy as np
@@ -167,7 +168,10 @@ def test_stochastic_rounding_at_the_noise_extremes(make, noise, dtype, monkeypat
     comments are tight (u = 1 - 2**-16 on a whole level, 127 levels too)."""
     compressor = make()
     qsgd = isinstance(compressor, QSGD)
-    monkeypatch.setattr(_numerics.noise, "centred_noise", lambda shape, generator, device: torch.full(shape, noise, dtype=torch.int16))
+    def constant_noise(seeds, segments, multiple=1):
+        return torch.full((segments.padded(multiple).numel,), noise, dtype=torch.int16)
+
+    monkeypatch.setattr(sys.modules[type(compressor).__module__], "segment_noise", constant_noise)
     generator = torch.Generator().manual_seed(noise)
     one_hot = torch.zeros(4096)
     one_hot[::512] = torch.randn(8, generator=generator)  # one nonzero per bucket of 64 or 512

@@ -22,9 +22,18 @@ from dataclasses import dataclass
 
 import torch
 
-from gradcomm.compression._numerics import decode_bits, gather_rows, pack_bits
+from gradcomm.compression._numerics import decode_bits, gather_rows, nonzero_or_one, pack_bits, unpack_bits
+from gradcomm.compression._numerics.reductions import _plain_is_exact
 
-__all__ = ["Segments", "decode_segments", "pack_segments", "segment_noise", "segment_reduce"]
+__all__ = [
+    "Segments",
+    "decode_segments",
+    "pack_segments",
+    "segment_mean_abs",
+    "segment_noise",
+    "segment_reduce",
+    "segment_rms",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,6 +86,14 @@ class Segments:
             return per_segment.reshape(1).expand(self.numel)
         return per_segment.index_select(0, self.ids)
 
+    def relaid(self, lengths: Sequence[int]) -> Segments:
+        """The same segments with other lengths (a padded layout's), cached per lengths."""
+        cache = self.__dict__.setdefault("_relaid", {})
+        key = tuple(lengths)
+        if key not in cache:
+            cache[key] = Segments(key, self.keys, self.shapes, self.dtype, self.device)
+        return cache[key]
+
     def padded(self, multiple: int) -> Padded:
         """This layout with every segment padded to a multiple of ``multiple`` elements (cached)."""
         cache = self.__dict__.setdefault("_padded", {})
@@ -120,6 +137,11 @@ class Padded:
         """Each padded element's segment."""
         return _ids(self.lengths, self.segments.device)
 
+    @functools.cached_property
+    def as_segments(self) -> Segments:
+        """The padded layout as segments of its own."""
+        return self.segments.relaid(self.lengths)
+
 
 def _starts(lengths: Sequence[int]) -> list[int]:
     starts, total = [], 0
@@ -153,6 +175,43 @@ def segment_reduce(values: torch.Tensor, reduce: str, segments: Segments) -> tor
     return torch.segment_reduce(values, reduce, lengths=segments.lengths_tensor)
 
 
+def _expanded(per_segment: torch.Tensor, segments: Segments) -> torch.Tensor:
+    return segments.expand(per_segment.reshape(-1))
+
+
+def segment_mean_abs(x: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """Each segment's mean magnitude without overflow, as ``safe_mean_abs`` computes it for one tensor: on
+    the CPU the plain means first (kept unless one overflowed or came near underflow), else means of
+    magnitudes divided by their segment's peak."""
+    magnitude = x.abs()
+    if x.device.type == "cpu":
+        mean = segment_reduce(magnitude, "mean", segments)
+        if _plain_is_exact(mean):
+            return mean
+    peak = segment_reduce(magnitude, "max", segments)
+    return peak * segment_reduce(magnitude.div_(_expanded(nonzero_or_one(peak), segments)), "mean", segments)
+
+
+def segment_rms(x: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """Each segment's root mean square without overflow or underflow, as ``safe_rms`` for one tensor."""
+    if x.device.type == "cpu":
+        mean_square = segment_reduce(torch.mul(x, x), "mean", segments)
+        if _plain_is_exact(mean_square):
+            return mean_square.sqrt_()
+    magnitude = x.abs()
+    peak = segment_reduce(magnitude, "max", segments)
+    scaled = magnitude.div_(_expanded(nonzero_or_one(peak), segments))
+    return peak * segment_reduce(scaled.mul_(scaled), "mean", segments).sqrt()
+
+
+def segment_std(x: torch.Tensor, segments: Segments, peak: torch.Tensor) -> torch.Tensor:
+    """Each segment's population standard deviation without overflow, as ``safe_std`` (``peak``: each
+    segment's largest magnitude)."""
+    scaled = x / _expanded(nonzero_or_one(peak), segments)
+    centred = scaled.sub_(_expanded(segment_reduce(scaled, "mean", segments), segments))
+    return peak * segment_reduce(centred.mul_(centred), "mean", segments).sqrt()
+
+
 # -- bit packing by segment: the bytes of packing every tensor on its own, back to back -----------------------
 def packed_lengths(lengths: Sequence[int], bits: int) -> tuple[int, ...]:
     """Bytes of each segment's codes packed at ``bits`` bits (:func:`~gradcomm.compression._numerics.pack_bits`)."""
@@ -177,7 +236,10 @@ def decode_segments(packed: torch.Tensor, segments: Segments, bits: int, tables:
         bytes_ = packed.new_zeros(padded.numel * bits // 8).index_copy_(0, _kept_bytes(segments, bits), packed)
     else:
         bytes_ = packed
-    if tables.dim() == 1 or tables.shape[0] == 1:
+    if 8 % bits:  # codes straddling bytes: unpacked, then looked up (one table)
+        codes = unpack_bits(bytes_, bits, padded.numel).to(torch.int64)
+        decoded = tables.reshape(-1).index_select(0, codes)
+    elif tables.dim() == 1 or tables.shape[0] == 1:
         decoded = decode_bits(bytes_, bits, padded.numel, tables.reshape(-1))
     else:
         decoded = _decode_by_segment(bytes_, bits, tables, _byte_ids(segments, bits))
@@ -234,20 +296,32 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x.bitwise_xor_(_shifted_right(x, 31))
 
 
-def segment_noise(seeds: torch.Tensor, padded: Padded) -> torch.Tensor:
-    """Independent int16, uniform over all 65,536 values, one per element of the ``padded`` layout (its
-    multiple a multiple of 4): element ``i`` of segment ``s`` is 16 bits of SplitMix64's output for
-    ``seeds[s] + (i // 4) * golden``, four elements per 64-bit word (counter-based: what a segment gets
-    depends on its seed alone, not on the bucket around it)."""
-    words = _word_layout(padded)
-    counters = seeds.index_select(0, words[0]).add_(words[1], alpha=_GOLDEN)
-    return _mix(counters).view(torch.int16)
+def segment_noise(seeds: torch.Tensor, segments: Segments, multiple: int = 1) -> torch.Tensor:
+    """Independent int16, uniform over all 65,536 values, one per element of ``segments`` padded to
+    ``multiple`` (1: not padded): element ``i`` of segment ``s`` is 16 bits of SplitMix64's output for
+    ``seeds[s] + (i // 4) * golden``, four elements per 64-bit word. Counter-based: what a segment gets depends
+    on its seed alone, not on the bucket around it; times ``2**-16`` (``NOISE_SCALE``), uniform on
+    ``[-1/2, 1/2)`` as ``centred_noise``."""
+    wanted = segments.padded(multiple) if multiple > 1 else None
+    words_layout = segments.padded(math.lcm(multiple, 4))
+    ids, places = _word_layout(words_layout)
+    noise = _mix(seeds.index_select(0, ids).add_(places, alpha=_GOLDEN)).view(torch.int16)
+    target = wanted.lengths if wanted is not None else segments.lengths
+    if tuple(target) == words_layout.lengths:
+        return noise
+    return noise.index_select(0, _placement_cached(segments, tuple(target), words_layout.lengths))
+
+
+def _placement_cached(segments: Segments, lengths: tuple[int, ...], wider: tuple[int, ...]) -> torch.Tensor:
+    cache = segments.__dict__.setdefault("_placements", {})
+    if (lengths, wider) not in cache:
+        cache[lengths, wider] = _placement(lengths, wider, segments.device)
+    return cache[lengths, wider]
 
 
 def _word_layout(padded: Padded) -> tuple[torch.Tensor, torch.Tensor]:
     """For each 64-bit word of noise (4 padded elements): its segment and its place in the segment (cached)."""
     if not hasattr(padded, "_words"):
-        assert padded.multiple % 4 == 0
         word_lengths = [n // 4 for n in padded.lengths]
         ids = _ids(word_lengths, padded.segments.device)
         starts = torch.tensor(_starts(word_lengths), dtype=torch.int64, device=padded.segments.device)
@@ -260,8 +334,3 @@ def seed_of(digest: bytes) -> int:
     """A 64-bit seed (as int64) from a digest's first 8 bytes."""
     value = int.from_bytes(digest[:8], "little")
     return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def uniform_noise_scale() -> float:
-    """:func:`segment_noise` times this is uniform on ``[-1/2, 1/2)`` in steps of ``2**-16``."""
-    return math.ldexp(1.0, -16)
