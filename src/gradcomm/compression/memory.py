@@ -111,7 +111,8 @@ class ResidualMemory(Memory):
 
     enabled = True
 
-    def __init__(self) -> None:
+    def __init__(self, describe: str = "error feedback: the residual kept for {key} has shape") -> None:
+        self._describe = describe
         self._loose: dict[Hashable, torch.Tensor] = {}
         self._flats: dict[tuple[Hashable, ...], tuple[torch.Tensor, Segments]] = {}
 
@@ -136,11 +137,10 @@ class ResidualMemory(Memory):
                 return self._loose.pop(key)
         return None
 
-    @staticmethod
-    def _check(key: Hashable, residual: torch.Tensor, shape: torch.Size) -> None:
+    def _check(self, key: Hashable, residual: torch.Tensor, shape: torch.Size) -> None:
         if residual.shape != shape:
             raise ValueError(
-                f"error feedback: the residual kept for {key!r} has shape {tuple(residual.shape)}, but the "
+                f"{self._describe.format(key=repr(key))} {tuple(residual.shape)}, but the "
                 f"tensor now under that key has shape {tuple(shape)} (a checkpoint of another model?)"
             )
 
@@ -169,12 +169,20 @@ class ResidualMemory(Memory):
         self._take(key)
 
     def compensate_segments(self, segments: Segments, flat: torch.Tensor) -> torch.Tensor:
+        held = self.held_segments(segments, flat)
+        return flat if held is None else held.add_(flat)
+
+    def held_segments(self, segments: Segments, like: torch.Tensor) -> torch.Tensor | None:
+        """The flat residual of ``segments``' keys (zeros for a key without one), on ``like``'s device and in
+        its dtype; ``None`` where no key has one. Gathered from wherever the residuals are the first time
+        (another layout, a loaded state), then kept flat."""
         held = self._flats.get(segments.keys)
-        if held is not None and held[1].lengths == segments.lengths and held[0].dtype == flat.dtype:
-            return held[0].add_(flat)
+        if held is not None and held[1].lengths == segments.lengths and held[0].dtype == like.dtype:
+            return held[0]
         parts = [self._take(key) for key in segments.keys]
         if all(part is None for part in parts):
-            return flat
+            return None
+        flat = like
         pieces = []
         for key, part, shape, length in zip(segments.keys, parts, segments.shapes, segments.lengths, strict=True):
             if part is None:
@@ -184,7 +192,7 @@ class ResidualMemory(Memory):
                 pieces.append(part.reshape(-1).to(flat.device, flat.dtype))
         residual = torch.cat(pieces)
         self._flats[segments.keys] = (residual, segments)
-        return residual.add_(flat)
+        return residual
 
     def store_segments(self, segments: Segments, residual: torch.Tensor) -> None:
         self._flats[segments.keys] = (residual, segments)

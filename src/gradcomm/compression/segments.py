@@ -22,7 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
-from gradcomm.compression._numerics import decode_bits, gather_rows, nonzero_or_one, pack_bits, unpack_bits
+from gradcomm.compression._numerics import (
+    decode_bits,
+    gather_rows,
+    nonzero_or_one,
+    pack_bits,
+    top_magnitudes,
+    unpack_bits,
+)
 from gradcomm.compression._numerics.reductions import _plain_is_exact
 
 __all__ = [
@@ -92,6 +99,14 @@ class Segments:
         key = tuple(lengths)
         if key not in cache:
             cache[key] = Segments(key, self.keys, self.shapes, self.dtype, self.device)
+        return cache[key]
+
+    def budget(self, ks: Sequence[int]) -> Budget:
+        """``ks[s]`` elements chosen of each segment (cached per budget)."""
+        cache = self.__dict__.setdefault("_budgets", {})
+        key = tuple(ks)
+        if key not in cache:
+            cache[key] = Budget(self, key)
         return cache[key]
 
     def padded(self, multiple: int) -> Padded:
@@ -210,6 +225,75 @@ def segment_std(x: torch.Tensor, segments: Segments, peak: torch.Tensor) -> torc
     scaled = x / _expanded(nonzero_or_one(peak), segments)
     centred = scaled.sub_(_expanded(segment_reduce(scaled, "mean", segments), segments))
     return peak * segment_reduce(centred.mul_(centred), "mean", segments).sqrt()
+
+
+# -- per-segment budgets: top-k, sparse payloads ---------------------------------------------------------------
+class Budget:
+    """``k[s]`` elements chosen of each segment ``s``: their layout as segments of their own, and each
+    choice's segment start (to turn indices within a segment into indices of the flat tensor)."""
+
+    def __init__(self, segments: Segments, ks: Sequence[int]):
+        self.segments = segments
+        self.ks = tuple(ks)
+        self.chosen = segments.relaid(self.ks)
+        self.total = sum(self.ks)
+        self._groups: list[tuple[int, int, list[int], torch.Tensor | None]] | None = None
+        self._order: torch.Tensor | None = None
+
+    @functools.cached_property
+    def starts(self) -> torch.Tensor:
+        """Each chosen element's segment start in the flat tensor (int64)."""
+        starts = torch.tensor(self.segments.starts, dtype=torch.int64, device=self.segments.device)
+        return self.chosen.expand(starts)
+
+    def groups(self) -> tuple[list[tuple[int, int, list[int], torch.Tensor | None]], torch.Tensor | None]:
+        """Segments of equal length and budget, each ``(length, k, members, rows index)``, and the order
+        that puts the groups' choices back in segment order (``None``: they already are)."""
+        if self._groups is None:
+            members: dict[tuple[int, int], list[int]] = {}
+            for position, (length, k) in enumerate(zip(self.segments.lengths, self.ks, strict=True)):
+                members.setdefault((length, k), []).append(position)
+            device = self.segments.device
+            groups = []
+            for (length, k), positions in members.items():
+                if len(positions) == 1:
+                    groups.append((length, k, positions, None))
+                    continue
+                starts = torch.tensor([self.segments.starts[i] for i in positions], dtype=torch.int64, device=device)
+                rows = starts.unsqueeze(1) + torch.arange(length, device=device)
+                groups.append((length, k, positions, rows.reshape(-1)))
+            grouped = [position for _, _, positions, _ in groups for position in positions]
+            if grouped != list(range(len(self.ks))):
+                chosen_starts = _starts(self.ks)
+                order = [
+                    chosen_starts[position] + j for position in grouped for j in range(self.ks[position])
+                ]
+                self._order = torch.empty(len(order), dtype=torch.int64, device=device)
+                self._order[torch.tensor(order, dtype=torch.int64, device=device)] = torch.arange(
+                    len(order), device=device
+                )
+            self._groups = groups
+        return self._groups, self._order
+
+
+def segment_topk(flat: torch.Tensor, budget: Budget) -> torch.Tensor:
+    """Indices (into ``flat``, int64) of the ``k[s]`` largest magnitudes of every segment ``s``, segment after
+    segment, each segment's in no order. Segments of one length and budget are chosen together (a ``topk``
+    along the rows of a matrix of them), so the calls grow with the number of distinct tensor shapes, not
+    of tensors; a segment alone in its group goes :func:`~gradcomm.compression._numerics.top_magnitudes`'
+    way (the same set as ``torch.topk``'s)."""
+    groups, order = budget.groups()
+    found = []
+    for length, k, positions, rows in groups:
+        if rows is None:
+            start = budget.segments.starts[positions[0]]
+            found.append(top_magnitudes(flat[start : start + length], k).add_(start))
+        else:
+            values = flat.index_select(0, rows).view(len(positions), length)
+            chosen = values.abs_().topk(k, dim=1, sorted=False).indices
+            found.append(rows.view(len(positions), length).gather(1, chosen).view(-1))
+    indices = found[0] if len(found) == 1 else torch.cat(found)
+    return indices if order is None else indices.index_select(0, order)
 
 
 # -- bit packing by segment: the bytes of packing every tensor on its own, back to back -----------------------
