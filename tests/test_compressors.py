@@ -235,8 +235,10 @@ def test_randomk_is_unbiased(x, seed):
 def test_randomk_shares_coordinates_across_ranks_with_one_seed(x, seed):
     rank_a, rank_b = RandomK(seed=seed), RandomK(seed=seed)
     for _ in range(3):
-        (_, (indices_a, _, _)), (_, (indices_b, _, _)) = rank_a.compress(x), rank_b.compress(-x)
+        (_, ctx_a), (_, ctx_b) = rank_a.compress(x), rank_b.compress(-x)
+        indices_a, indices_b = ctx_a.ctx[0], ctx_b.ctx[0]
         assert torch.equal(indices_a, indices_b)
+        assert indices_a.unique().numel() == indices_a.numel() == rank_a.k(x.numel())  # distinct
 
 
 @pytest.mark.parametrize(

@@ -87,6 +87,12 @@ class Segments:
         """Each element's segment (int64)."""
         return _ids(self.lengths, self.device)
 
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        """Each element's place within its segment (int64)."""
+        starts = torch.tensor(self.starts, dtype=torch.int64, device=self.device)
+        return torch.arange(self.numel, device=self.device).sub_(starts.index_select(0, self.ids))
+
     def expand(self, per_segment: torch.Tensor) -> torch.Tensor:
         """One value per segment broadcast to its elements (``per_segment`` flat, of ``len(self)`` values)."""
         if len(self) == 1:
@@ -394,6 +400,12 @@ def segment_noise(seeds: torch.Tensor, segments: Segments, multiple: int = 1) ->
     if tuple(target) == words_layout.lengths:
         return noise
     return noise.index_select(0, _placement_cached(segments, tuple(target), words_layout.lengths))
+
+
+def segment_words(seeds: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """One random 64-bit word (int64) per element of ``segments``: SplitMix64's output for ``seeds[s] + i *
+    golden`` at element ``i`` of segment ``s``."""
+    return _mix(seeds.index_select(0, segments.ids).add_(segments.positions, alpha=_GOLDEN))
 
 
 def _placement_cached(segments: Segments, lengths: tuple[int, ...], wider: tuple[int, ...]) -> torch.Tensor:
