@@ -48,6 +48,7 @@ __all__ = [
     "RandomizedCompressor",
     "RowwiseCompressor",
     "SegmentedCompressor",
+    "SegmentedRowwiseCompressor",
     "TensorSpec",
 ]
 
@@ -374,3 +375,38 @@ class RowwiseCompressor(Compressor):
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         row_ctx, shape = ctx
         return self.decompress_rows(payload, row_ctx).reshape(shape)
+
+
+def _row_segments(rows: int, length: int, dtype: torch.dtype, device: torch.device) -> Segments:
+    return Segments((length,) * rows, (None,) * rows, (torch.Size([length]),) * rows, dtype, device)
+
+
+class SegmentedRowwiseCompressor(RowwiseCompressor, SegmentedCompressor):
+    """A row-wise method written in segmented form (one scale or range per segment): its rows are segments,
+    and :class:`~gradcomm.compression.communicators.TwoStageAllreduce` sends a whole bucket's chunks at once.
+    Every payload tensor of a bucket of segments is the segments' parts back to back, so a bucket of rows of
+    one layout splits into equal rows."""
+
+    def compress_rows(self, rows: torch.Tensor) -> tuple[Payload, Any]:
+        segments = _row_segments(rows.shape[0], rows.shape[1], rows.dtype, rows.device)
+        payload, ctx = self.compress_segments(rows.reshape(-1), segments)
+        return [part.reshape(rows.shape[0], -1) for part in payload], (ctx, rows.shape[1], rows.dtype)
+
+    def decompress_rows(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        inner, length, dtype = ctx
+        rows = payload[0].shape[0]
+        segments = _row_segments(rows, length, dtype, payload[0].device)
+        flat = self.decompress_segments([part.reshape(-1) for part in payload], inner, segments)
+        return flat.view(rows, length)
+
+    def compress(self, tensor: torch.Tensor) -> tuple[Payload, Any]:
+        return RowwiseCompressor.compress(self, tensor)
+
+    def decompress(self, payload: Payload, ctx: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        return RowwiseCompressor.decompress(self, payload, ctx)
+
+    def aggregate(self, gathered: Payload, ctx: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        return Compressor.aggregate(self, gathered, ctx, out)
+
+    def residual(self, corrected: torch.Tensor, payload: Payload, ctx: Any) -> torch.Tensor:
+        return Compressor.residual(self, corrected, payload, ctx)

@@ -321,6 +321,63 @@ def _all_to_all(rows: torch.Tensor, group: ProcessGroup | None) -> Launch:
     return lambda: comm.all_to_all_single(rows, group)
 
 
+class _RowLayout:
+    """A bucket of segments cut for a two-stage exchange over ``world_size`` ranks: each tensor zero padded to
+    ``world_size`` chunks of ``chunks[s]`` elements, and row ``j`` (sent to rank ``j``) holding chunk ``j`` of
+    every tensor, back to back. ``rows``: the ``world_size`` rows as segments (one per chunk); ``row``: one
+    row's segments, keyed and shaped as the server residuals, ``(1, chunk)`` per parameter."""
+
+    def __init__(self, segments: Segments, world_size: int):
+        device = segments.device
+        self.segments = segments
+        self.world_size = world_size
+        self.chunks = tuple(-(-n // world_size) for n in segments.lengths)
+        width = sum(self.chunks)
+        self.row = Segments(
+            self.chunks, segments.keys, tuple(torch.Size([1, c]) for c in self.chunks), segments.dtype, device
+        )
+        self.rows = Segments(
+            self.chunks * world_size,
+            tuple((key, j) for j in range(world_size) for key in segments.keys),
+            tuple(torch.Size([c]) for c in self.chunks) * world_size,
+            segments.dtype,
+            device,
+        )
+        ranks = torch.arange(world_size, device=device).unsqueeze(1)
+        to_rows, from_rows, row_start = [], [], 0
+        for start, length, chunk in zip(segments.starts, segments.lengths, self.chunks, strict=True):
+            place = ranks * chunk + torch.arange(chunk, device=device)  # (world_size, chunk): place in the tensor
+            to_rows.append(torch.where(place < length, place + start, segments.numel))  # padding: a zero
+            within = torch.arange(length, device=device)
+            from_rows.append((within // chunk) * width + row_start + within % chunk)
+            row_start += chunk
+        self.to_rows = torch.cat(to_rows, dim=1).reshape(-1)
+        self.from_rows = torch.cat(from_rows)
+
+    def cut(self, flat: torch.Tensor) -> torch.Tensor:
+        """The rows of ``flat``, flat (``world_size`` rows back to back)."""
+        return torch.cat([flat, flat.new_zeros(1)]).index_select(0, self.to_rows)
+
+    def join(self, rows: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`cut`: the bucket's elements of rows, without the padding."""
+        return rows.reshape(-1).index_select(0, self.from_rows)
+
+    @staticmethod
+    def of(segments: Segments, world_size: int) -> _RowLayout:
+        cache = segments.__dict__.setdefault("_row_layouts", {})
+        if world_size not in cache:
+            cache[world_size] = _RowLayout(segments, world_size)
+        return cache[world_size]
+
+
+@dataclass(frozen=True, eq=False)
+class _SegmentedRows:
+    """``ctx`` of a bucket encoded for :class:`TwoStageAllreduce`."""
+
+    layout: _RowLayout
+    ctx: Any
+
+
 @dataclass(frozen=True)
 class TwoStageAllreduce(Communicator):
     """A compressed allreduce in two stages, for :class:`~gradcomm.compression.base.RowwiseCompressor` s.
@@ -340,6 +397,58 @@ class TwoStageAllreduce(Communicator):
         if not isinstance(compressor, RowwiseCompressor):
             raise TypeError(f"TwoStageAllreduce needs a RowwiseCompressor, got {type(compressor).__name__}")
         return compressor
+
+    def encode_segments(
+        self,
+        compressor: SegmentedCompressor,
+        segments: Segments,
+        flat: torch.Tensor,
+        memory: Memory,
+        world_size: int,
+        owned: bool = False,
+    ) -> Message:
+        """A whole bucket cut in rows (:class:`_RowLayout`) and compressed at once, one scale per chunk."""
+        layout = _RowLayout.of(segments, world_size)
+        corrected = memory.compensate_segments(segments, flat)
+        try:
+            payload, ctx = compressor.compress_segments(layout.cut(corrected), layout.rows)
+            if memory.enabled:
+                sent = layout.join(compressor.decompress_segments(payload, ctx, layout.rows))
+                kept = corrected.clone() if corrected is flat and not owned else corrected
+                memory.store_segments(segments, kept.sub_(sent))
+        except BaseException:
+            memory.discard_segments(segments)
+            raise
+        return Message(segments.keys, SegmentCodec(compressor, segments), payload, _SegmentedRows(layout, ctx))  # type: ignore[arg-type]
+
+    def _exchange_segments(
+        self, message: Message, group: ProcessGroup | None, memory: Memory, launcher: OrderedLauncher
+    ) -> torch.futures.Future[list[torch.Tensor]]:
+        """Both stages for a whole bucket: one all-to-all of every chunk's row, one decoding and mean of the
+        rows received, one recompression (with the server residuals, flat) and one all-gather."""
+        world_size = comm.group_size(group)
+        compressor = message.compressor.compressor  # type: ignore[attr-defined]
+        layout, ctx = message.ctx.layout, message.ctx.ctx
+        server_memory = memory if self.server_error_feedback else NoMemory()
+        parts = [part.reshape(world_size, -1) for part in message.payload]
+        rows = _pack_rows(parts, world_size)
+        received = launcher.launch(_all_to_all(rows, group), rows.device)
+        reduced: list[Payload] = []
+
+        def reduce(fut: torch.futures.Future[torch.Tensor]) -> Launch:
+            got = _unpack_rows(fut.value(), [part[0] for part in parts])
+            decoded = compressor.decompress_segments([part.reshape(-1) for part in got], ctx, layout.rows)
+            mean = ordered_mean(decoded.view(world_size, -1).unbind(0), world_size)
+            payload, _ = compensated_compress_segments(compressor, server_memory, layout.row, mean, owned=True)
+            reduced.append(payload)
+            return _all_gather(_pack_rows([part.reshape(1, -1) for part in payload], 1).view(-1), group)
+
+        def decompress(fut: torch.futures.Future[torch.Tensor]) -> list[torch.Tensor]:
+            gathered = _unpack_rows(fut.value().view(world_size, -1), [part.reshape(-1) for part in reduced[0]])
+            values = compressor.decompress_segments([part.reshape(-1) for part in gathered], ctx, layout.rows)
+            return [layout.join(values)]
+
+        return launcher.launch_after(received, reduce, rows.device).then(decompress)
 
     def encode(
         self, compressor: Compressor, key: Hashable, tensor: torch.Tensor, memory: Memory, world_size: int
@@ -383,6 +492,8 @@ class TwoStageAllreduce(Communicator):
         memory: Memory,
         launcher: OrderedLauncher,
     ) -> torch.futures.Future[list[torch.Tensor]]:
+        if len(messages) == 1 and isinstance(messages[0].compressor, SegmentCodec):
+            return self._exchange_segments(messages[0], group, memory, launcher)
         world_size = comm.group_size(group)
         rank = comm.group_rank(group)
         server_memory = memory if self.server_error_feedback else NoMemory()

@@ -311,6 +311,8 @@ def packed_lengths(lengths: Sequence[int], bits: int) -> tuple[int, ...]:
 def pack_segments(codes: torch.Tensor, segments: Segments, bits: int) -> torch.Tensor:
     """Codes (``< 2**bits``, ``bits`` dividing 8) of every segment packed as ``pack_bits`` packs one tensor,
     the segments' bytes back to back: one packing of the whole bucket, each segment padded to whole bytes."""
+    if bits == 8:
+        return codes
     padded = segments.padded(8)
     packed = pack_bits(padded.pad(codes), bits)
     if padded.aligned:
@@ -321,6 +323,10 @@ def pack_segments(codes: torch.Tensor, segments: Segments, bits: int) -> torch.T
 def decode_segments(packed: torch.Tensor, segments: Segments, bits: int, tables: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_segments`, each code replaced by its value: ``tables[segment, code]`` with one
     row of ``2**bits`` values per segment (or one row for all). A lookup per byte, as ``decode_bits``."""
+    if bits == 8:  # a byte is a code, and segments are not padded
+        if tables.dim() == 2 and tables.shape[0] > 1:
+            return _decode_by_segment(packed, 8, tables, segments.ids)
+        return decode_bits(packed, 8, segments.numel, tables.reshape(-1))
     padded = segments.padded(8)
     if not padded.aligned:  # each segment's bytes at a multiple of 8 codes
         bytes_ = packed.new_zeros(padded.numel * bits // 8).index_copy_(0, _kept_bytes(segments, bits), packed)
