@@ -27,9 +27,11 @@ from gradcomm.compression._numerics import (
     gather_rows,
     nonzero_or_one,
     pack_bits,
+    sample_stride,
     top_magnitudes,
     unpack_bits,
 )
+from gradcomm.compression._numerics.reductions import _plain_is_exact
 
 __all__ = [
     "Segments",
@@ -96,7 +98,13 @@ class Segments:
         """One value per segment broadcast to its elements (``per_segment`` flat, of ``len(self)`` values)."""
         if len(self) == 1:
             return per_segment.reshape(1).expand(self.numel)
-        return per_segment.index_select(0, self.ids)
+        groups = self.groups
+        if len(groups.runs) > _MAX_RUNS:
+            return per_segment.index_select(0, self.ids)
+        out = per_segment.new_empty(self.numel)
+        for rows, values in zip(groups.rows(out), groups.per_run(per_segment), strict=True):
+            rows.copy_(values.unsqueeze(1).expand(rows.shape))
+        return out
 
     def relaid(self, lengths: Sequence[int]) -> Segments:
         """The same segments with other lengths (a padded layout's), cached per lengths."""
@@ -105,6 +113,11 @@ class Segments:
         if key not in cache:
             cache[key] = Segments(key, self.keys, self.shapes, self.dtype, self.device)
         return cache[key]
+
+    @functools.cached_property
+    def groups(self) -> Groups:
+        """The segments by length, as strided views of the flat tensor where they can be (cached)."""
+        return Groups(self, self.lengths)
 
     def budget(self, ks: Sequence[int]) -> Budget:
         """``ks[s]`` elements chosen of each segment (cached per budget)."""
@@ -186,13 +199,91 @@ def _ids(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.arange(len(lengths), device=device).repeat_interleave(counts, output_size=sum(lengths))
 
 
+_MAX_RUNS = 16
+"""Up to this many runs, a per-segment value is broadcast run by run; beyond, by one gather by segment."""
+
+
+class Groups:
+    """Segments of one length (and budget, for :class:`Budget`), in runs at one stride in the flat tensor: a
+    run is a ``(count, length)`` strided view (a layer repeated in every block of a model lies at one stride),
+    so per-segment reductions and selections are row-wise ones on views, a few calls per run, and the runs
+    grow with the number of distinct shapes (and their arrangement), not of tensors."""
+
+    def __init__(self, segments: Segments, classes: Sequence[Hashable]):
+        self.segments = segments
+        members: dict[Hashable, list[int]] = {}
+        for position, cls in enumerate(classes):
+            members.setdefault(cls, []).append(position)
+        self.runs: list[tuple[int, list[int], int]] = []  # (length, positions, stride)
+        for positions in members.values():
+            length = segments.lengths[positions[0]]
+            self.runs.extend((length, run, stride) for run, stride in _arithmetic_runs(positions, segments.starts, length))
+        grouped = [position for _, positions, _ in self.runs for position in positions]
+        self.order: torch.Tensor | None = None
+        if grouped != list(range(len(segments))):
+            inverse = [0] * len(grouped)
+            for place, position in enumerate(grouped):
+                inverse[position] = place
+            self.order = torch.tensor(inverse, dtype=torch.int64, device=segments.device)
+
+    def rows(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each run of ``flat`` (laid out as the segments) as a ``(count, length)`` view."""
+        offset = flat.storage_offset()
+        return [
+            flat.as_strided((len(positions), length), (stride, 1), offset + self.segments.starts[positions[0]])
+            for length, positions, stride in self.runs
+        ]
+
+    @functools.cached_property
+    def _run_positions(self) -> list[torch.Tensor]:
+        device = self.segments.device
+        return [torch.tensor(positions, dtype=torch.int64, device=device) for _, positions, _ in self.runs]
+
+    def per_run(self, per_segment: torch.Tensor) -> list[torch.Tensor]:
+        """One value per segment, split by run."""
+        if len(self.runs) == 1 and self.order is None:
+            return [per_segment]
+        return [per_segment.index_select(0, positions) for positions in self._run_positions]
+
+    def in_order(self, per_run: list[torch.Tensor]) -> torch.Tensor:
+        """Per-segment results of the runs (one flat tensor per run), in segment order."""
+        joined = per_run[0] if len(per_run) == 1 else torch.cat(per_run)
+        return joined if self.order is None else joined.index_select(0, self.order)
+
+
+def _arithmetic_runs(positions: list[int], starts: Sequence[int], length: int) -> list[tuple[list[int], int]]:
+    """``positions`` split into runs whose starts are evenly spaced, at least ``length`` apart (greedily)."""
+    left = list(positions)
+    runs = []
+    while left:
+        first = left.pop(0)
+        run, stride = [first], length
+        if left:
+            stride = starts[left[0]] - starts[first]
+            by_start = {starts[p]: p for p in left}
+            nxt = starts[first] + stride
+            while stride >= length and nxt in by_start:
+                run.append(by_start.pop(nxt))
+                nxt += stride
+            left = [p for p in left if p not in run]
+            if len(run) == 1:
+                stride = length
+        runs.append((run, stride))
+    return runs
+
+
+_REDUCTIONS = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}
+
+
 def segment_reduce(values: torch.Tensor, reduce: str, segments: Segments) -> torch.Tensor:
-    """One ``reduce`` (``"sum"``, ``"mean"``, ``"max"``, ``"min"``) per segment of flat ``values``; a single
-    segment is reduced by the plain reduction (the same bits as before segments)."""
+    """One ``reduce`` (``"sum"``, ``"mean"``, ``"max"``, ``"min"``) per segment of flat ``values``: row-wise
+    reductions of strided views, one per run of equal segments (:class:`Groups`); a single segment is
+    reduced by the plain reduction (the same bits as before segments)."""
+    function = _REDUCTIONS[reduce]
     if len(segments) == 1:
-        single = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}[reduce]
-        return single(values).reshape(1)
-    return torch.segment_reduce(values, reduce, lengths=segments.lengths_tensor)
+        return function(values).reshape(1)
+    groups = segments.groups
+    return groups.in_order([function(rows, dim=1) for rows in groups.rows(values.contiguous())])
 
 
 def _expanded(per_segment: torch.Tensor, segments: Segments) -> torch.Tensor:
@@ -200,23 +291,24 @@ def _expanded(per_segment: torch.Tensor, segments: Segments) -> torch.Tensor:
 
 
 def segment_mean_abs(x: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """Each segment's mean magnitude without overflow (as ``safe_mean_abs`` for one tensor). float32 is
-    summed in float64, where no magnitude of float32 overflows or underflows and the sums are exact to far
-    below float32's rounding (``segment_reduce`` sums in order: in float32 it lost 20 ulps over 4,096
-    elements); wider dtypes divide by each segment's peak first."""
-    if x.dtype == torch.float32:
-        return segment_reduce(x.double().abs_(), "mean", segments).float()
+    """Each segment's mean magnitude without overflow, as ``safe_mean_abs`` for one tensor: on the CPU the
+    plain means first (kept unless one overflowed or came near underflow), else means of magnitudes divided
+    by their segment's peak."""
     magnitude = x.abs()
+    if x.device.type == "cpu":
+        mean = segment_reduce(magnitude, "mean", segments)
+        if _plain_is_exact(mean):
+            return mean
     peak = segment_reduce(magnitude, "max", segments)
     return peak * segment_reduce(magnitude.div_(_expanded(nonzero_or_one(peak), segments)), "mean", segments)
 
 
 def segment_rms(x: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """Each segment's root mean square without overflow or underflow (as ``safe_rms`` for one tensor); float32
-    squared and summed in float64 (see :func:`segment_mean_abs`)."""
-    if x.dtype == torch.float32:
-        wide = x.double()
-        return segment_reduce(wide.mul_(wide), "mean", segments).sqrt_().float()
+    """Each segment's root mean square without overflow or underflow, as ``safe_rms`` for one tensor."""
+    if x.device.type == "cpu":
+        mean_square = segment_reduce(torch.mul(x, x), "mean", segments)
+        if _plain_is_exact(mean_square):
+            return mean_square.sqrt_()
     magnitude = x.abs()
     peak = segment_reduce(magnitude, "max", segments)
     scaled = magnitude.div_(_expanded(nonzero_or_one(peak), segments))
@@ -224,12 +316,8 @@ def segment_rms(x: torch.Tensor, segments: Segments) -> torch.Tensor:
 
 
 def segment_std(x: torch.Tensor, segments: Segments, peak: torch.Tensor) -> torch.Tensor:
-    """Each segment's population standard deviation without overflow (as ``safe_std``; ``peak``: each
-    segment's largest magnitude); float32 in float64 (see :func:`segment_mean_abs`)."""
-    if x.dtype == torch.float32:
-        wide = x.double()
-        centred = wide.sub_(_expanded(segment_reduce(wide, "mean", segments), segments))
-        return segment_reduce(centred.mul_(centred), "mean", segments).sqrt_().float()
+    """Each segment's population standard deviation without overflow, as ``safe_std`` (``peak``: each
+    segment's largest magnitude)."""
     scaled = x / _expanded(nonzero_or_one(peak), segments)
     centred = scaled.sub_(_expanded(segment_reduce(scaled, "mean", segments), segments))
     return peak * segment_reduce(centred.mul_(centred), "mean", segments).sqrt()
@@ -267,9 +355,13 @@ class Budget:
                 if len(positions) == 1:
                     groups.append((length, k, positions, None))
                     continue
-                starts = torch.tensor([self.segments.starts[i] for i in positions], dtype=torch.int64, device=device)
-                rows = starts.unsqueeze(1) + torch.arange(length, device=device)
-                groups.append((length, k, positions, rows.reshape(-1)))
+                first = [self.segments.starts[i] for i in positions]
+                strides = {b - a for a, b in zip(first, first[1:], strict=False)}
+                starts = torch.tensor(first, dtype=torch.int64, device=device)
+                rows = (starts.unsqueeze(1) + torch.arange(length, device=device)).reshape(-1)
+                # a layer repeated in every block lies at one stride: a view of the flat tensor, not a copy
+                view = (len(positions), first[0], strides.pop()) if len(strides) == 1 else None
+                groups.append((length, k, positions, (rows, view)))
             grouped = [position for _, _, positions, _ in groups for position in positions]
             if grouped != list(range(len(self.ks))):
                 chosen_starts = _starts(self.ks)
@@ -292,16 +384,45 @@ def segment_topk(flat: torch.Tensor, budget: Budget) -> torch.Tensor:
     way (the same set as ``torch.topk``'s)."""
     groups, order = budget.groups()
     found = []
-    for length, k, positions, rows in groups:
-        if rows is None:
+    for length, k, positions, group in groups:
+        if group is None:
             start = budget.segments.starts[positions[0]]
             found.append(top_magnitudes(flat[start : start + length], k).add_(start))
+            continue
+        rows, view = group
+        count = len(positions)
+        if view is not None and view[2] >= length:
+            magnitudes = flat.as_strided((count, length), (view[2], 1), flat.storage_offset() + view[1]).abs()
         else:
-            values = flat.index_select(0, rows).view(len(positions), length)
-            chosen = values.abs_().topk(k, dim=1, sorted=False).indices
-            found.append(rows.view(len(positions), length).gather(1, chosen).view(-1))
+            magnitudes = flat.index_select(0, rows).view(count, length).abs_()
+        chosen = _rows_topk(magnitudes, k)
+        found.append(rows.view(count, length).gather(1, chosen).view(-1))
     indices = found[0] if len(found) == 1 else torch.cat(found)
     return indices if order is None else indices.index_select(0, order)
+
+
+def _rows_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
+    """Columns of the ``k`` largest of every row of a 2-D tensor of magnitudes (as ``topk(k, dim=1)``'s, up to
+    ties). On the CPU, for long rows and small ``k``, top_magnitudes' way for all rows at once: a threshold per
+    row from a strided sample, the candidates at or above it (few) packed into a small matrix, and the top
+    ``k`` of that; where a row has fewer than ``k`` candidates, or thresholds are 0, the plain ``topk``."""
+    count, length = magnitudes.shape
+    stride = sample_stride(length)
+    if magnitudes.device.type != "cpu" or stride < 16 or k > length // 4:
+        return magnitudes.topk(k, dim=1, sorted=False).indices
+    sample = magnitudes[:, ::stride]
+    place = min(sample.shape[1], -(-2 * k * sample.shape[1] // length) + 1)
+    thresholds = sample.topk(place, dim=1, sorted=True).values[:, -1:]
+    candidate = (magnitudes < thresholds).logical_not_()  # NaN is never below: a candidate
+    per_row = candidate.sum(dim=1)
+    if bool(((per_row < k) | (thresholds.squeeze(1) == 0)).any()):
+        return magnitudes.topk(k, dim=1, sorted=False).indices
+    row, column = candidate.nonzero(as_tuple=True)
+    width = int(per_row.max())
+    within = torch.arange(row.numel(), device=row.device) - (per_row.cumsum(0) - per_row).repeat_interleave(per_row)
+    packed = magnitudes.new_full((count, width), -1.0).index_put_((row, within), magnitudes[row, column])
+    columns = column.new_zeros((count, width)).index_put_((row, within), column)
+    return columns.gather(1, packed.topk(k, dim=1, sorted=False).indices)
 
 
 # -- bit packing by segment: the bytes of packing every tensor on its own, back to back -----------------------

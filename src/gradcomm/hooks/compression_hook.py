@@ -182,14 +182,20 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
+_MAX_RUNS = 16
+"""A part of a bucket in at most this many contiguous runs is copied run by run (memory speed); in more, by
+one gather with an index (a pass whatever the number of tensors)."""
+
+
 @dataclass(frozen=True, eq=False)
 class _Part:
     """Some gradients of a bucket, as one flat tensor: where they lie in the bucket's buffer."""
 
     segments: Segments
-    span: tuple[int, int] | None
-    """``(start, stop)`` where they are contiguous in the buffer, else ``None`` (then ``index``)."""
+    runs: tuple[tuple[int, int], ...]
+    """``(start, stop)`` of each contiguous run of the part's gradients in the buffer."""
     index: torch.Tensor | None
+    """Each element's place in the buffer, where there are more than :data:`_MAX_RUNS` runs."""
 
     @classmethod
     def of(cls, positions: list[int], keys: Sequence[Key], shapes: Sequence[torch.Size], buffer: torch.Tensor) -> "_Part":
@@ -202,24 +208,40 @@ class _Part:
             buffer.dtype,
             buffer.device,
         )
-        if positions == list(range(positions[0], positions[-1] + 1)):
-            return cls(segments, (starts[positions[0]], starts[positions[-1]] + lengths[positions[-1]]), None)
-        index = torch.cat([torch.arange(starts[i], starts[i] + lengths[i], device=buffer.device) for i in positions])
-        return cls(segments, None, index)
+        runs: list[list[int]] = []
+        for i in positions:
+            if runs and runs[-1][1] == starts[i]:
+                runs[-1][1] += lengths[i]
+            else:
+                runs.append([starts[i], starts[i] + lengths[i]])
+        index = None
+        if len(runs) > _MAX_RUNS:
+            index = torch.cat([torch.arange(a, b, device=buffer.device) for a, b in runs])
+        return cls(segments, tuple((a, b) for a, b in runs), index)
+
+    @property
+    def span(self) -> tuple[int, int] | None:
+        return self.runs[0] if len(self.runs) == 1 else None
 
     def take(self, buffer: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """The part's values, and whether they are a copy (else a view of the buffer)."""
         if self.span is not None:
             return buffer[self.span[0] : self.span[1]], False
+        if self.index is None:
+            return torch.cat([buffer[a:b] for a, b in self.runs]), True
         return buffer.index_select(0, self.index), True
 
     def put(self, buffer: torch.Tensor, values: torch.Tensor) -> None:
+        values = values.to(buffer.dtype)
         if self.span is not None:
             place = buffer[self.span[0] : self.span[1]]
             if place.data_ptr() != values.data_ptr():
                 place.copy_(values)
+        elif self.index is None:
+            pieces = values.split([b - a for a, b in self.runs])
+            torch._foreach_copy_([buffer[a:b] for a, b in self.runs], list(pieces))
         else:
-            buffer.index_copy_(0, self.index, values.to(buffer.dtype))
+            buffer.index_copy_(0, self.index, values)
 
 
 @dataclass(frozen=True, eq=False)
