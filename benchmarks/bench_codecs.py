@@ -179,7 +179,7 @@ def hook_seconds_against(root: str, workloads: list[str], names: list[str], reps
     torch.set_num_threads(1)
     out: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
     for workload in workloads:
-        bucket = _one_bucket(workload)
+        bucket = many_tensor_bucket(int(workload.split()[0])) if workload.endswith("tensors") else _one_bucket(workload)
         old_bucket = before_bucket.GradBucket(
             0, bucket.buffer(), bucket._offsets, bucket._lengths, bucket._shapes, bucket.parameters(), True
         )
@@ -213,7 +213,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--instructions", action="store_true", help="count instructions under callgrind instead")
     parser.add_argument("--against", help="time the hook against this git revision's, alternating")
     parser.add_argument("--count", action="store_true", help="count the aten operators of one hook call instead")
-    parser.add_argument("--tensors", nargs="*", type=int, default=[28, 800], help="with --count: bucket sizes")
+    parser.add_argument(
+        "--tensors", nargs="*", type=int, default=[28, 800], help="with --count or --against: bucket sizes"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if os.environ.get(_UNDER_VALGRIND):
@@ -226,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         [seconds] = run_on_ranks(
             hook_seconds_against,
             world_size=1,
-            args=(str(root), args.workloads, args.methods, args.reps),
+            args=(str(root), [*args.workloads, *(f"{n} tensors" for n in args.tensors)], args.methods, args.reps),
             timeout=3600.0,
         )
         for workload, by_method in seconds.items():

@@ -239,6 +239,15 @@ class Groups:
         device = self.segments.device
         return [torch.tensor(positions, dtype=torch.int64, device=device) for _, positions, _ in self.runs]
 
+    def run_starts(self, positions: list[int]) -> torch.Tensor:
+        """The starts of a run's segments, as a column (cached)."""
+        cache = self.__dict__.setdefault("_run_starts", {})
+        key = tuple(positions)
+        if key not in cache:
+            starts = [self.segments.starts[p] for p in positions]
+            cache[key] = torch.tensor(starts, dtype=torch.int64, device=self.segments.device).unsqueeze(1)
+        return cache[key]
+
     def per_run(self, per_segment: torch.Tensor) -> list[torch.Tensor]:
         """One value per segment, split by run."""
         if len(self.runs) == 1 and self.order is None:
@@ -333,8 +342,6 @@ class Budget:
         self.ks = tuple(ks)
         self.chosen = segments.relaid(self.ks)
         self.total = sum(self.ks)
-        self._groups: list[tuple[int, int, list[int], torch.Tensor | None]] | None = None
-        self._order: torch.Tensor | None = None
 
     @functools.cached_property
     def starts(self) -> torch.Tensor:
@@ -342,63 +349,44 @@ class Budget:
         starts = torch.tensor(self.segments.starts, dtype=torch.int64, device=self.segments.device)
         return self.chosen.expand(starts)
 
-    def groups(self) -> tuple[list[tuple[int, int, list[int], torch.Tensor | None]], torch.Tensor | None]:
-        """Segments of equal length and budget, each ``(length, k, members, rows index)``, and the order
-        that puts the groups' choices back in segment order (``None``: they already are)."""
-        if self._groups is None:
-            members: dict[tuple[int, int], list[int]] = {}
-            for position, (length, k) in enumerate(zip(self.segments.lengths, self.ks, strict=True)):
-                members.setdefault((length, k), []).append(position)
-            device = self.segments.device
-            groups = []
-            for (length, k), positions in members.items():
-                if len(positions) == 1:
-                    groups.append((length, k, positions, None))
-                    continue
-                first = [self.segments.starts[i] for i in positions]
-                strides = {b - a for a, b in zip(first, first[1:], strict=False)}
-                starts = torch.tensor(first, dtype=torch.int64, device=device)
-                rows = (starts.unsqueeze(1) + torch.arange(length, device=device)).reshape(-1)
-                # a layer repeated in every block lies at one stride: a view of the flat tensor, not a copy
-                view = (len(positions), first[0], strides.pop()) if len(strides) == 1 else None
-                groups.append((length, k, positions, (rows, view)))
-            grouped = [position for _, _, positions, _ in groups for position in positions]
-            if grouped != list(range(len(self.ks))):
-                chosen_starts = _starts(self.ks)
-                order = [
-                    chosen_starts[position] + j for position in grouped for j in range(self.ks[position])
-                ]
-                self._order = torch.empty(len(order), dtype=torch.int64, device=device)
-                self._order[torch.tensor(order, dtype=torch.int64, device=device)] = torch.arange(
-                    len(order), device=device
-                )
-            self._groups = groups
-        return self._groups, self._order
+    @functools.cached_property
+    def groups(self) -> Groups:
+        """The segments by length and budget, in strided runs (:class:`Groups`)."""
+        return Groups(self.segments, list(zip(self.segments.lengths, self.ks, strict=True)))
+
+    @functools.cached_property
+    def order(self) -> torch.Tensor | None:
+        """The order that puts the runs' choices back in segment order (``None``: they already are)."""
+        grouped = [position for _, positions, _ in self.groups.runs for position in positions]
+        if grouped == list(range(len(self.ks))):
+            return None
+        chosen_starts = _starts(self.ks)
+        order = [chosen_starts[position] + j for position in grouped for j in range(self.ks[position])]
+        inverse = [0] * len(order)
+        for place, element in enumerate(order):
+            inverse[element] = place
+        return torch.tensor(inverse, dtype=torch.int64, device=self.segments.device)
 
 
 def segment_topk(flat: torch.Tensor, budget: Budget) -> torch.Tensor:
     """Indices (into ``flat``, int64) of the ``k[s]`` largest magnitudes of every segment ``s``, segment after
-    segment, each segment's in no order. Segments of one length and budget are chosen together (a ``topk``
-    along the rows of a matrix of them), so the calls grow with the number of distinct tensor shapes, not
-    of tensors; a segment alone in its group goes :func:`~gradcomm.compression._numerics.top_magnitudes`'
-    way (the same set as ``torch.topk``'s)."""
-    groups, order = budget.groups()
+    segment, each segment's in no order. Segments of one length and budget at one stride are chosen together
+    (row-wise on a strided view, :func:`_rows_topk`), so the calls grow with the number of runs of equal
+    shapes (:class:`Groups`), not of tensors; a segment alone goes
+    :func:`~gradcomm.compression._numerics.top_magnitudes`' way (the same set as ``torch.topk``'s)."""
+    groups = budget.groups
     found = []
-    for length, k, positions, group in groups:
-        if group is None:
-            start = budget.segments.starts[positions[0]]
+    flat = flat.contiguous()
+    for (length, positions, _), rows in zip(groups.runs, groups.rows(flat), strict=True):
+        k = budget.ks[positions[0]]
+        start = budget.segments.starts[positions[0]]
+        if len(positions) == 1:
             found.append(top_magnitudes(flat[start : start + length], k).add_(start))
             continue
-        rows, view = group
-        count = len(positions)
-        if view is not None and view[2] >= length:
-            magnitudes = flat.as_strided((count, length), (view[2], 1), flat.storage_offset() + view[1]).abs()
-        else:
-            magnitudes = flat.index_select(0, rows).view(count, length).abs_()
-        chosen = _rows_topk(magnitudes, k)
-        found.append(rows.view(count, length).gather(1, chosen).view(-1))
+        columns = _rows_topk(rows.abs(), k)
+        found.append(columns.add_(groups.run_starts(positions)).view(-1))
     indices = found[0] if len(found) == 1 else torch.cat(found)
-    return indices if order is None else indices.index_select(0, order)
+    return indices if budget.order is None else indices.index_select(0, budget.order)
 
 
 def _rows_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
