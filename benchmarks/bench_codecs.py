@@ -118,15 +118,18 @@ def instructions(workload: str, names: list[str]) -> dict[str, tuple[int, int]]:
 BASELINE = "allreduce"
 
 
-def op_counts(buckets: list[str], hooks: list[str]) -> dict[str, dict[str, int]]:
+def op_counts(buckets: list[str], hooks: list[str], device: str = "cpu") -> dict[str, dict[str, int]]:
     """Per bucket (a workload's name, or ``"N tensors"``), per hook, the aten operators of one hook call; run
-    on a one-rank group."""
+    on a one-rank group, the bucket on ``device``."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     counts: dict[str, dict[str, int]] = {}
     for name in buckets:
-        bucket = many_tensor_bucket(int(name.split()[0])) if name.endswith("tensors") else _one_bucket(name)
+        if name.endswith("tensors"):
+            bucket = many_tensor_bucket(int(name.split()[0]), device=device)
+        else:
+            bucket = _one_bucket(name, device)
         counts[name] = {}
         for hook in hooks:
             fn, state = make_comm_hook(hook, process_group=dist.group.WORLD)
@@ -211,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", nargs="+", default=sorted(methods()))
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--instructions", action="store_true", help="count instructions under callgrind instead")
+    parser.add_argument("--device", default="cpu", help="with --count: cpu, or cuda")
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"], help="with --count: the group's")
     parser.add_argument("--against", help="time the hook against this git revision's, alternating")
     parser.add_argument("--count", action="store_true", help="count the aten operators of one hook call instead")
     parser.add_argument(
@@ -240,7 +245,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.count:
         buckets = [*args.workloads, *(f"{n} tensors" for n in args.tensors)]
-        [counts] = run_on_ranks(op_counts, world_size=1, args=(buckets, [BASELINE, *args.methods]), timeout=3600.0)
+        [counts] = run_on_ranks(
+            op_counts,
+            world_size=1,
+            args=(buckets, [BASELINE, *args.methods], args.device),
+            backend=args.backend,
+            timeout=3600.0,
+        )
         print("\n### aten operators per hook call, one bucket (allreduce: its own; methods: beyond it)\n")
         print(count_table(counts))
         return
