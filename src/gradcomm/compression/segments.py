@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -254,6 +254,28 @@ class Groups:
             return [per_segment]
         return [per_segment.index_select(0, positions) for positions in self._run_positions]
 
+    def rowwise(
+        self,
+        fn: Callable[..., torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        per_segment: Sequence[torch.Tensor],
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """``out`` (flat, laid out as the segments) holding ``fn(*rows, *columns)`` run by run: ``rows``, each
+        flat input's ``(count, length)`` view of the run, ``columns``, each per-segment value of the run's
+        segments as a ``(count, 1)`` column, so that ``fn`` broadcasts as row-wise code does (no per-element
+        copy of a per-segment value). Beyond :data:`_MAX_RUNS` runs, one call on the whole tensor as one row
+        with the values expanded to it."""
+        if len(self.runs) > _MAX_RUNS:
+            columns = [self.segments.expand(v).unsqueeze(0) for v in per_segment]
+            out.view(1, -1).copy_(fn(*(x.view(1, -1) for x in inputs), *columns))
+            return out
+        columns = [self.per_run(v) for v in per_segment]
+        views = [self.rows(x.contiguous()) for x in inputs]
+        for index, rows_out in enumerate(self.rows(out)):
+            rows_out.copy_(fn(*(v[index] for v in views), *(c[index].unsqueeze(1) for c in columns)))
+        return out
+
     def in_order(self, per_run: list[torch.Tensor]) -> torch.Tensor:
         """Per-segment results of the runs (one flat tensor per run), in segment order."""
         joined = per_run[0] if len(per_run) == 1 else torch.cat(per_run)
@@ -327,9 +349,11 @@ def segment_rms(x: torch.Tensor, segments: Segments) -> torch.Tensor:
 def segment_std(x: torch.Tensor, segments: Segments, peak: torch.Tensor) -> torch.Tensor:
     """Each segment's population standard deviation without overflow, as ``safe_std`` (``peak``: each
     segment's largest magnitude)."""
-    scaled = x / _expanded(nonzero_or_one(peak), segments)
-    centred = scaled.sub_(_expanded(segment_reduce(scaled, "mean", segments), segments))
-    return peak * segment_reduce(centred.mul_(centred), "mean", segments).sqrt()
+    groups = segments.groups
+    scaled = groups.rowwise(torch.div, [x], [nonzero_or_one(peak)], torch.empty_like(x))
+    mean = segment_reduce(scaled, "mean", segments)
+    centred = groups.rowwise(lambda rows, m: (rows - m).square_(), [scaled], [mean], scaled)
+    return peak * segment_reduce(centred, "mean", segments).sqrt()
 
 
 # -- per-segment budgets: top-k, sparse payloads ---------------------------------------------------------------

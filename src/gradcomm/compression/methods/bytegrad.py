@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from gradcomm.compression._numerics import as_uint8, nonzero_or_one, work_dtype
+from gradcomm.compression._numerics import as_uint8, decode_bits, nonzero_or_one, work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedRowwiseCompressor
 from gradcomm.compression.communicators import TwoStageAllreduce
 from gradcomm.compression.segments import Segments, decode_segments, segment_reduce
@@ -55,8 +55,12 @@ class ByteGrad(
         # The code is the position (x - low) / (high - low) times 255, rounded half up: + 1/2, then truncated by
         # the integer conversion. x - low is in [0, high - low] (rounding is monotonic), so the code is in
         # [0, 255] (the product passes 255 by an ulp or two at most).
-        position = (work * segments.expand(scale)).sub_(segments.expand(low * scale))
-        codes = as_uint8(position.mul_(segments.expand(steps_per_unit)).add_(0.5))
+        codes = segments.groups.rowwise(
+            lambda rows, s, low_scaled, steps: as_uint8((rows * s).sub_(low_scaled).mul_(steps).add_(0.5)),
+            [work],
+            [scale, low * scale, steps_per_unit],
+            torch.empty(work.shape, dtype=torch.uint8, device=work.device),
+        )
         return [codes, low, high], None
 
     def decompress_segments(
@@ -66,7 +70,14 @@ class ByteGrad(
         position = _positions(low.dtype, low.device)
         # a convex combination (it cannot overflow) of each segment's 256 code values, then one lookup per code
         values = (low.unsqueeze(1) * (1 - position) + high.unsqueeze(1) * position).to(segments.dtype)
-        return decode_segments(codes, segments, 8, values)
+        groups = segments.groups
+        if len(segments) == 1 or len(groups.runs) > 16:
+            return decode_segments(codes, segments, 8, values)
+        out = torch.empty(segments.numel, dtype=segments.dtype, device=codes.device)
+        tables = groups.per_run(values)
+        for rows_out, rows, table in zip(groups.rows(out), groups.rows(codes), tables, strict=True):
+            rows_out.copy_(decode_bits(rows, 8, rows.shape[1], table))
+        return out
 
 
 @functools.lru_cache(maxsize=16)

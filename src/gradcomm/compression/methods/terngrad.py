@@ -71,9 +71,14 @@ class TernGrad(
             std = segment_std(work, segments, scales)
             # a constant tensor is not clipped
             scales = torch.where(std > 0, torch.minimum(self.clip * std, scales), scales)
-        fraction = work / segments.expand(nonzero_or_one(scales))  # p = x / scale (a zero scale: all zeros)
-        if self.clip is not None:
-            fraction.clamp_(-1, 1)  # clipping x to +-scale
+        # p = x / scale (a zero scale: all zeros), clipped to +-1 (x to +-scale)
+        clip = self.clip is not None
+        fraction = segments.groups.rowwise(
+            lambda rows, scale: (rows / scale).clamp_(-1, 1) if clip else rows / scale,
+            [work],
+            [nonzero_or_one(scales)],
+            torch.empty_like(work),
+        )
         # codes 0, 1, 2 for -scale, 0, +scale: 1 + p rounded stochastically (for p >= 0, 1 with chance p, else
         # 0; for p < 0, -1 with chance |p|, else 0); noise uniform on [-1/2, 1/2), plus 1/2, then truncated
         noise = segment_noise(self.segment_seeds(segments), segments)
