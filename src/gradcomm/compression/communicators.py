@@ -355,11 +355,15 @@ class _RowLayout:
         self.from_rows = torch.cat(from_rows)
 
     def cut(self, flat: torch.Tensor) -> torch.Tensor:
-        """The rows of ``flat``, flat (``world_size`` rows back to back)."""
+        """The rows of ``flat``, flat (``world_size`` rows back to back); on one rank, ``flat`` itself."""
+        if self.world_size == 1:
+            return flat
         return torch.cat([flat, flat.new_zeros(1)]).index_select(0, self.to_rows)
 
     def join(self, rows: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`cut`: the bucket's elements of rows, without the padding."""
+        if self.world_size == 1:
+            return rows.reshape(-1)
         return rows.reshape(-1).index_select(0, self.from_rows)
 
     @staticmethod
