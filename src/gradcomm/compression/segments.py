@@ -28,6 +28,7 @@ from gradcomm.compression._numerics import (
     nonzero_or_one,
     pack_bits,
     sample_stride,
+    sparse_nonzero,
     top_magnitudes,
     unpack_bits,
 )
@@ -429,7 +430,8 @@ def _rows_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
     per_row = candidate.sum(dim=1)
     if bool(((per_row < k) | (thresholds.squeeze(1) == 0)).any()):
         return magnitudes.topk(k, dim=1, sorted=False).indices
-    row, column = candidate.nonzero(as_tuple=True)
+    found = sparse_nonzero(candidate.view(-1)) if 64 * k <= length else candidate.view(-1).nonzero().squeeze(1)
+    row, column = found.div(length, rounding_mode="floor"), found.remainder(length)
     width = int(per_row.max())
     within = torch.arange(row.numel(), device=row.device) - (per_row.cumsum(0) - per_row).repeat_interleave(per_row)
     packed = magnitudes.new_full((count, width), -1.0).index_put_((row, within), magnitudes[row, column])
