@@ -210,7 +210,7 @@ def _spread(values: list[float]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", choices=["cnn", "transformer"], default=["cnn", "transformer"])
+    parser.add_argument("--workloads", nargs="*", choices=["cnn", "transformer"], default=["cnn", "transformer"])
     parser.add_argument("--methods", nargs="+", default=sorted(methods()))
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--instructions", action="store_true", help="count instructions under callgrind instead")
