@@ -186,19 +186,20 @@ def test_a_tensor_draws_alike_in_any_bucket():
 # -- torch calls per bucket -------------------------------------------------------------------------------------
 CEILINGS = {
     "allreduce": 5,
-    "bytegrad": 480,
-    "dgc": 190,
-    "efsign": 184,
-    "onebit": 354,
-    "qsgd": 219,
-    "randomk": 72,
-    "signsgd": 111,
-    "terngrad": 264,
-    "topk": 180,
+    "bytegrad": 470,
+    "dgc": 125,
+    "efsign": 195,
+    "onebit": 360,
+    "qsgd": 220,
+    "randomk": 75,
+    "signsgd": 110,
+    "terngrad": 258,
+    "topk": 115,
 }
 """aten calls of one hook call beyond a plain allreduce's (allreduce: its own), at most, at 28 and at 800
-tensors (``python benchmarks/bench_codecs.py --count`` prints them). Before segmented buckets they grew with
-the tensors: 1,254 / 34,836 for top-k at 28 / 800."""
+tensors (``python benchmarks/bench_codecs.py --count`` prints them), a few above what they are now. Before
+segmented buckets they grew with the tensors: 1,254 / 34,836 for top-k at 28 / 800. The issue's target is 80
+for every method: met by random-k alone so far (see docs/notes/2026-11-28-segmented-codecs.md)."""
 
 
 def _counts(sizes: list[int], names: list[str]) -> dict[int, dict[str, int]]:

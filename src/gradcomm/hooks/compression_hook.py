@@ -182,7 +182,7 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
-_MAX_RUNS = 16
+_MAX_RUNS = 4
 """A part of a bucket in at most this many contiguous runs is copied run by run (memory speed); in more, by
 one gather with an index (a pass whatever the number of tensors)."""
 
