@@ -45,7 +45,7 @@ from gradcomm.compression.base import Compressor, SegmentedCompressor
 from gradcomm.compression.communicators import Communicator, Message
 from gradcomm.compression.memory import Memory, NoMemory, ResidualMemory
 from gradcomm.compression.methods.identity import NoCompression
-from gradcomm.compression.segments import Segments
+from gradcomm.compression.segments import Segments, _arithmetic_runs
 from gradcomm.hooks.hook_state import HookState
 from gradcomm.hooks.parameter_keys import Key, ParameterKeys, SavedKeyCheck
 
@@ -182,66 +182,98 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
-_MAX_RUNS = 4
-"""A part of a bucket in at most this many contiguous runs is copied run by run (memory speed); in more, by
-one gather with an index (a pass whatever the number of tensors)."""
+_MAX_GROUPS = 8
+"""A part of a bucket in at most this many strided groups of runs is copied group by group (memory speed, a
+few calls per group); in more, by one gather with an index."""
 
 
 @dataclass(frozen=True, eq=False)
 class _Part:
-    """Some gradients of a bucket, as one flat tensor: where they lie in the bucket's buffer."""
+    """Some gradients of a bucket, as one flat tensor: where they lie in the bucket's buffer.
+
+    The gradients' contiguous runs in the buffer are grouped into runs of one length at one stride (a layer
+    repeated in every block, a weight between two biases): each group is one strided view of the buffer, so
+    the part is gathered and written back in a few calls per group, whatever the number of gradients. The
+    part's segments follow the groups' order (not necessarily the bucket's)."""
 
     segments: Segments
-    runs: tuple[tuple[int, int], ...]
-    """``(start, stop)`` of each contiguous run of the part's gradients in the buffer."""
+    groups: tuple[tuple[int, int, int, int], ...]
+    """``(count, length, stride, start)`` of each group of runs."""
     index: torch.Tensor | None
-    """Each element's place in the buffer, where there are more than :data:`_MAX_RUNS` runs."""
+    """Each element's place in the buffer, where there are more than :data:`_MAX_GROUPS` groups."""
 
     @classmethod
     def of(cls, positions: list[int], keys: Sequence[Key], shapes: Sequence[torch.Size], buffer: torch.Tensor) -> "_Part":
         lengths = [shape.numel() for shape in shapes]
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        runs: list[list[int]] = []  # the positions of each contiguous run
+        for i in positions:
+            if runs and starts[runs[-1][-1]] + lengths[runs[-1][-1]] == starts[i]:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        run_starts = [starts[run[0]] for run in runs]
+        run_lengths = [sum(lengths[i] for i in run) for run in runs]
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for r, run in enumerate(runs):
+            by_shape.setdefault(tuple(lengths[i] for i in run), []).append(r)
+        groups, order = [], []
+        for members in by_shape.values():
+            for group, stride in _arithmetic_runs(members, run_starts, run_lengths[members[0]]):
+                groups.append((len(group), run_lengths[group[0]], stride, run_starts[group[0]]))
+                order.extend(i for r in group for i in runs[r])
         segments = Segments(
-            tuple(lengths[i] for i in positions),
-            tuple(keys[i] for i in positions),
-            tuple(shapes[i] for i in positions),
+            tuple(lengths[i] for i in order),
+            tuple(keys[i] for i in order),
+            tuple(shapes[i] for i in order),
             buffer.dtype,
             buffer.device,
         )
-        runs: list[list[int]] = []
-        for i in positions:
-            if runs and runs[-1][1] == starts[i]:
-                runs[-1][1] += lengths[i]
-            else:
-                runs.append([starts[i], starts[i] + lengths[i]])
         index = None
-        if len(runs) > _MAX_RUNS:
-            index = torch.cat([torch.arange(a, b, device=buffer.device) for a, b in runs])
-        return cls(segments, tuple((a, b) for a, b in runs), index)
+        if len(groups) > _MAX_GROUPS:
+            index = torch.cat([torch.arange(starts[i], starts[i] + lengths[i], device=buffer.device) for i in order])
+        return cls(segments, tuple(groups), index)
 
     @property
     def span(self) -> tuple[int, int] | None:
-        return self.runs[0] if len(self.runs) == 1 else None
+        if len(self.groups) == 1 and self.groups[0][0] == 1:
+            _, length, _, start = self.groups[0]
+            return start, start + length
+        return None
+
+    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        offset = buffer.storage_offset()
+        return [
+            buffer.as_strided((count, length), (stride, 1), offset + start)
+            for count, length, stride, start in self.groups
+        ]
 
     def take(self, buffer: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """The part's values, and whether they are a copy (else a view of the buffer)."""
-        if self.span is not None:
-            return buffer[self.span[0] : self.span[1]], False
-        if self.index is None:
-            return torch.cat([buffer[a:b] for a, b in self.runs]), True
-        return buffer.index_select(0, self.index), True
+        span = self.span
+        if span is not None:
+            return buffer[span[0] : span[1]], False
+        if self.index is not None:
+            return buffer.index_select(0, self.index), True
+        views = self._views(buffer)
+        if len(views) == 1:
+            return views[0].reshape(-1), True
+        return torch.cat([view.reshape(-1) for view in views]), True
 
     def put(self, buffer: torch.Tensor, values: torch.Tensor) -> None:
         values = values.to(buffer.dtype)
-        if self.span is not None:
-            place = buffer[self.span[0] : self.span[1]]
+        span = self.span
+        if span is not None:
+            place = buffer[span[0] : span[1]]
             if place.data_ptr() != values.data_ptr():
                 place.copy_(values)
-        elif self.index is None:
-            pieces = values.split([b - a for a, b in self.runs])
-            torch._foreach_copy_([buffer[a:b] for a, b in self.runs], list(pieces))
-        else:
+        elif self.index is not None:
             buffer.index_copy_(0, self.index, values)
+        else:
+            views = self._views(buffer)
+            pieces = [values] if len(views) == 1 else values.split([view.numel() for view in views])
+            for view, piece in zip(views, pieces, strict=True):
+                view.copy_(piece.view(view.shape))
 
 
 @dataclass(frozen=True, eq=False)
