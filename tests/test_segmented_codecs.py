@@ -199,7 +199,7 @@ CEILINGS = {
 """aten calls of one hook call beyond a plain allreduce's (allreduce: its own), at most, at 28 and at 800
 tensors (``python benchmarks/bench_codecs.py --count`` prints them), a few above what they are now. Before
 segmented buckets they grew with the tensors: 1,254 / 34,836 for top-k at 28 / 800. The issue's target is 80
-for every method: met by random-k alone so far (see docs/notes/2026-11-28-segmented-codecs.md)."""
+for every method: met by none so far (random-k is at 81) (see docs/notes/2026-11-28-segmented-codecs.md)."""
 
 
 def _counts(sizes: list[int], names: list[str]) -> dict[int, dict[str, int]]:
