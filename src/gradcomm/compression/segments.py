@@ -36,6 +36,7 @@ from gradcomm.compression._numerics.reductions import _plain_is_exact
 
 __all__ = [
     "Segments",
+    "as_dtype",
     "decode_segments",
     "pack_segments",
     "segment_mean_abs",
@@ -316,6 +317,11 @@ def segment_reduce(values: torch.Tensor, reduce: str, segments: Segments) -> tor
         return function(values).reshape(1)
     groups = segments.groups
     return groups.in_order([function(rows, dim=1) for rows in groups.rows(values.contiguous())])
+
+
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``: itself where it is already (no operator at all, where ``.to`` is one)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _expanded(per_segment: torch.Tensor, segments: Segments) -> torch.Tensor:

@@ -261,7 +261,7 @@ class _Part:
         return torch.cat([view.reshape(-1) for view in views]), True
 
     def put(self, buffer: torch.Tensor, values: torch.Tensor) -> None:
-        values = values.to(buffer.dtype)
+        values = values if values.dtype == buffer.dtype else values.to(buffer.dtype)
         span = self.span
         if span is not None:
             place = buffer[span[0] : span[1]]

@@ -23,7 +23,7 @@ import torch
 from gradcomm.compression._numerics import as_uint8, decode_bits, nonzero_or_one, work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedRowwiseCompressor
 from gradcomm.compression.communicators import TwoStageAllreduce
-from gradcomm.compression.segments import Segments, decode_segments, segment_reduce
+from gradcomm.compression.segments import Segments, as_dtype, decode_segments, segment_reduce
 
 __all__ = ["ByteGrad"]
 
@@ -42,7 +42,7 @@ class ByteGrad(
         return [(sum(lengths), torch.uint8), (len(lengths), work_dtype(dtype)), (len(lengths), work_dtype(dtype))]
 
     def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
-        work = flat.to(work_dtype(flat.dtype))
+        work = as_dtype(flat, work_dtype(flat.dtype))
         low = segment_reduce(work, "min", segments)
         high = segment_reduce(work, "max", segments)
         # Each segment is scaled by a power of two (exactly) where its range would not do: halved where the
@@ -69,7 +69,7 @@ class ByteGrad(
         codes, low, high = payload
         position = _positions(low.dtype, low.device)
         # a convex combination (it cannot overflow) of each segment's 256 code values, then one lookup per code
-        values = (low.unsqueeze(1) * (1 - position) + high.unsqueeze(1) * position).to(segments.dtype)
+        values = as_dtype(low.unsqueeze(1) * (1 - position) + high.unsqueeze(1) * position, segments.dtype)
         groups = segments.groups
         if len(segments) == 1 or len(groups.runs) > 16:
             return decode_segments(codes, segments, 8, values)

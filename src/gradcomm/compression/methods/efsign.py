@@ -20,6 +20,7 @@ from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedCompresso
 from gradcomm.compression.communicators import ALLGATHER
 from gradcomm.compression.segments import (
     Segments,
+    as_dtype,
     decode_segments,
     pack_segments,
     packed_lengths,
@@ -40,7 +41,7 @@ class EFSignSGD(SegmentedCompressor, name="efsign", summary="scaled sign with er
         return [(sum(packed_lengths(lengths, 1)), torch.uint8), (len(lengths), work_dtype(dtype))]
 
     def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
-        scales = segment_mean_abs(flat.to(work_dtype(flat.dtype)), segments)
+        scales = segment_mean_abs(as_dtype(flat, work_dtype(flat.dtype)), segments)
         not_negative = torch.ge(flat, 0, out=torch.empty(flat.shape, dtype=torch.int8, device=flat.device))
         return [pack_segments(not_negative.view(torch.uint8), segments, 1), scales], None
 
@@ -48,5 +49,5 @@ class EFSignSGD(SegmentedCompressor, name="efsign", summary="scaled sign with er
         self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         bits, scales = payload
-        tables = (sign_values(scales.dtype, scales.device) * scales.unsqueeze(1)).to(segments.dtype)
+        tables = as_dtype(sign_values(scales.dtype, scales.device) * scales.unsqueeze(1), segments.dtype)
         return decode_segments(bits, segments, 1, tables)

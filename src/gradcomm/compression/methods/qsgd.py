@@ -34,6 +34,7 @@ from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompress
 from gradcomm.compression.communicators import ALLGATHER
 from gradcomm.compression.segments import (
     Segments,
+    as_dtype,
     decode_segments,
     pack_segments,
     packed_lengths,
@@ -81,7 +82,7 @@ class QSGD(RandomizedCompressor, SegmentedCompressor, name="qsgd", summary="QSGD
 
     def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
         padded = segments.padded(self.bucket_size)
-        buckets = padded.pad(flat.to(work_dtype(flat.dtype))).view(-1, self.bucket_size)
+        buckets = padded.pad(as_dtype(flat, work_dtype(flat.dtype))).view(-1, self.bucket_size)
         # The norm as safe_norm computes it (peak * ||x / peak||), its parts reused: x / norm is
         # (x / peak) / ||x / peak||, and ||x / peak|| >= 1 (its peak element is +-1) or 0 (a bucket of zeros).
         peak = torch.maximum(buckets.amax(dim=1, keepdim=True), buckets.amin(dim=1, keepdim=True).neg_())
@@ -103,4 +104,4 @@ class QSGD(RandomizedCompressor, SegmentedCompressor, name="qsgd", summary="QSGD
         fractions = _fractions(self.levels, self._bits, norms.dtype, norms.device)
         values = decode_segments(packed, padded.as_segments, self._bits, fractions)
         values = values.view(-1, self.bucket_size).mul_(norms.unsqueeze(1))
-        return padded.unpad(values.view(-1)).to(segments.dtype)
+        return as_dtype(padded.unpad(values.view(-1)), segments.dtype)

@@ -30,7 +30,7 @@ import torch
 from gradcomm.compression._numerics import work_dtype, zeros_in
 from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompressor, SegmentedCompressor
 from gradcomm.compression.communicators import ALLREDUCE
-from gradcomm.compression.segments import Budget, Segments, segment_words
+from gradcomm.compression.segments import Budget, Segments, as_dtype, segment_words
 
 __all__ = ["RandomK"]
 
@@ -83,9 +83,10 @@ class RandomK(
         values = payload[0]
         if sizes is not None:
             largest = torch.finfo(segments.dtype).max
-            values = (values.to(work_dtype(segments.dtype)) * sizes).clamp_(-largest, largest).to(segments.dtype)
+            scaled = (as_dtype(values, work_dtype(segments.dtype)) * sizes).clamp_(-largest, largest)
+            values = as_dtype(scaled, segments.dtype)
         dense = zeros_in(out, segments.numel, segments.dtype, values.device)
-        return dense.index_copy_(0, indices, values.to(segments.dtype))
+        return dense.index_copy_(0, indices, as_dtype(values, segments.dtype))
 
     def residual_segments(
         self,

@@ -28,6 +28,7 @@ from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompress
 from gradcomm.compression.communicators import ALLGATHER
 from gradcomm.compression.segments import (
     Segments,
+    as_dtype,
     decode_segments,
     pack_segments,
     packed_lengths,
@@ -65,7 +66,7 @@ class TernGrad(
         return [(sum(packed_lengths(lengths, 2)), torch.uint8), (len(lengths), work_dtype(dtype))]
 
     def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
-        work = flat.to(work_dtype(flat.dtype))
+        work = as_dtype(flat, work_dtype(flat.dtype))
         scales = segment_reduce(work.abs(), "max", segments)
         if self.clip is not None:
             std = segment_std(work, segments, scales)
@@ -89,5 +90,5 @@ class TernGrad(
         self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         packed, scales = payload
-        tables = (_ternary(scales.dtype, scales.device) * scales.unsqueeze(1)).to(segments.dtype)
+        tables = as_dtype(_ternary(scales.dtype, scales.device) * scales.unsqueeze(1), segments.dtype)
         return decode_segments(packed, segments, 2, tables)

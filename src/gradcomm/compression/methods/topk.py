@@ -21,7 +21,7 @@ import torch
 from gradcomm.compression._numerics import index_dtype, zeros_in
 from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedCompressor
 from gradcomm.compression.communicators import ALLGATHER
-from gradcomm.compression.segments import Budget, Segments, segment_topk
+from gradcomm.compression.segments import Budget, Segments, as_dtype, segment_topk
 
 __all__ = ["TopK"]
 
@@ -44,17 +44,17 @@ class SparseSegments(SegmentedCompressor):
         """The values of ``flat`` at ``indices`` (into ``flat``), and the indices within their tensors."""
         budget = self.budget(segments)
         local = indices - budget.starts
-        return [flat.index_select(0, indices), local.to(index_dtype(max(segments.lengths)))]
+        return [flat.index_select(0, indices), as_dtype(local, index_dtype(max(segments.lengths)))]
 
     def _indices(self, local: torch.Tensor, segments: Segments) -> torch.Tensor:
-        return local.to(torch.int64).add_(self.budget(segments).starts)
+        return as_dtype(local, torch.int64).add(self.budget(segments).starts)
 
     def decompress_segments(
         self, payload: Payload, ctx: torch.Tensor, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         values, local = payload
         dense = zeros_in(out, segments.numel, segments.dtype, values.device)
-        return dense.index_put_((self._indices(local, segments),), values.to(segments.dtype))
+        return dense.index_put_((self._indices(local, segments),), as_dtype(values, segments.dtype))
 
     def aggregate_segments(
         self, gathered: Payload, ctx: torch.Tensor, segments: Segments, out: torch.Tensor | None = None
@@ -64,7 +64,7 @@ class SparseSegments(SegmentedCompressor):
         world_size = values.shape[0]
         total = zeros_in(out, segments.numel, segments.dtype, values.device)
         starts = self.budget(segments).starts
-        indices = local.to(torch.int64).add_(starts)
+        indices = as_dtype(local, torch.int64).add(starts)
         for rank in range(world_size):
             total.index_add_(0, indices[rank], values[rank] / world_size)
         return total
