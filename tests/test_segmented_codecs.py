@@ -104,7 +104,7 @@ def test_sparse_payload_is_every_tensors_top_k(make):
 @pytest.mark.parametrize("name", ["onebit", "bytegrad"])
 def test_two_stage_chunks_are_every_tensors_rows(name, world_size):
     """The whole bucket's rows: chunk j of every tensor, encoded as that tensor's row j was."""
-    from gradcomm.compression.communicators import _RowLayout
+    from gradcomm.compression.row_layout import RowLayout as _RowLayout
 
     tensors, segments, flat = _bucket(1)
     compressor = {"onebit": OneBit, "bytegrad": ByteGrad}[name]()

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from gradcomm.compression._numerics import ordered_mean
-from gradcomm.compression.segments import Segments, seed_of
+from gradcomm.compression.segment_noise import seed_of
+from gradcomm.compression.segments import Segments
 
 if TYPE_CHECKING:
     from gradcomm.compression.communicators import Communicator

@@ -3,7 +3,8 @@
 A compressor that works on a :class:`Segments` layout encodes a whole bucket at once while keeping each
 tensor's own statistics (scales, norms, maxima, budgets, random draws): per-tensor values come from
 segmented operations (``torch.segment_reduce``, a gather by segment index), so the number of torch calls per
-bucket does not grow with its number of tensors. The index tensors these need (each element's segment, its
+bucket does not grow with its number of tensors (budgets and top-k: :mod:`~gradcomm.compression.segment_sparse`;
+random bits: :mod:`~gradcomm.compression.segment_noise`). The index tensors these need (each element's segment, its
 place in a layout where every segment is padded to a multiple, each packed byte's segment) are computed
 once per layout and kept on the :class:`Segments` object, which the hook keeps per bucket layout.
 
@@ -16,9 +17,9 @@ on its own (:func:`pack_segments`, :func:`decode_segments`), and random bits key
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,23 +28,25 @@ from gradcomm.compression._numerics import (
     gather_rows,
     nonzero_or_one,
     pack_bits,
-    sample_stride,
-    sparse_nonzero,
-    top_magnitudes,
     unpack_bits,
 )
 from gradcomm.compression._numerics.reductions import _plain_is_exact
 
 __all__ = [
+    "Groups",
     "Segments",
     "as_dtype",
     "decode_segments",
     "pack_segments",
+    "packed_lengths",
     "segment_mean_abs",
-    "segment_noise",
     "segment_reduce",
     "segment_rms",
+    "segment_std",
 ]
+
+if TYPE_CHECKING:
+    from gradcomm.compression.segment_sparse import Budget
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,6 +126,8 @@ class Segments:
 
     def budget(self, ks: Sequence[int]) -> Budget:
         """``ks[s]`` elements chosen of each segment (cached per budget)."""
+        from gradcomm.compression.segment_sparse import Budget
+
         cache = self.__dict__.setdefault("_budgets", {})
         key = tuple(ks)
         if key not in cache:
@@ -363,88 +368,6 @@ def segment_std(x: torch.Tensor, segments: Segments, peak: torch.Tensor) -> torc
     return peak * segment_reduce(centred, "mean", segments).sqrt()
 
 
-# -- per-segment budgets: top-k, sparse payloads ---------------------------------------------------------------
-class Budget:
-    """``k[s]`` elements chosen of each segment ``s``: their layout as segments of their own, and each
-    choice's segment start (to turn indices within a segment into indices of the flat tensor)."""
-
-    def __init__(self, segments: Segments, ks: Sequence[int]):
-        self.segments = segments
-        self.ks = tuple(ks)
-        self.chosen = segments.relaid(self.ks)
-        self.total = sum(self.ks)
-
-    @functools.cached_property
-    def starts(self) -> torch.Tensor:
-        """Each chosen element's segment start in the flat tensor (int64)."""
-        starts = torch.tensor(self.segments.starts, dtype=torch.int64, device=self.segments.device)
-        return self.chosen.expand(starts)
-
-    @functools.cached_property
-    def groups(self) -> Groups:
-        """The segments by length and budget, in strided runs (:class:`Groups`)."""
-        return Groups(self.segments, list(zip(self.segments.lengths, self.ks, strict=True)))
-
-    @functools.cached_property
-    def order(self) -> torch.Tensor | None:
-        """The order that puts the runs' choices back in segment order (``None``: they already are)."""
-        grouped = [position for _, positions, _ in self.groups.runs for position in positions]
-        if grouped == list(range(len(self.ks))):
-            return None
-        chosen_starts = _starts(self.ks)
-        order = [chosen_starts[position] + j for position in grouped for j in range(self.ks[position])]
-        inverse = [0] * len(order)
-        for place, element in enumerate(order):
-            inverse[element] = place
-        return torch.tensor(inverse, dtype=torch.int64, device=self.segments.device)
-
-
-def segment_topk(flat: torch.Tensor, budget: Budget) -> torch.Tensor:
-    """Indices (into ``flat``, int64) of the ``k[s]`` largest magnitudes of every segment ``s``, segment after
-    segment, each segment's in no order. Segments of one length and budget at one stride are chosen together
-    (row-wise on a strided view, :func:`_rows_topk`), so the calls grow with the number of runs of equal
-    shapes (:class:`Groups`), not of tensors; a segment alone goes
-    :func:`~gradcomm.compression._numerics.top_magnitudes`' way (the same set as ``torch.topk``'s)."""
-    groups = budget.groups
-    found = []
-    flat = flat.contiguous()
-    for (length, positions, _), rows in zip(groups.runs, groups.rows(flat), strict=True):
-        k = budget.ks[positions[0]]
-        start = budget.segments.starts[positions[0]]
-        if len(positions) == 1:
-            found.append(top_magnitudes(flat[start : start + length], k).add_(start))
-            continue
-        columns = _rows_topk(rows.abs(), k)
-        found.append(columns.add_(groups.run_starts(positions)).view(-1))
-    indices = found[0] if len(found) == 1 else torch.cat(found)
-    return indices if budget.order is None else indices.index_select(0, budget.order)
-
-
-def _rows_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
-    """Columns of the ``k`` largest of every row of a 2-D tensor of magnitudes (as ``topk(k, dim=1)``'s, up to
-    ties). On the CPU, for long rows and small ``k``, top_magnitudes' way for all rows at once: a threshold per
-    row from a strided sample, the candidates at or above it (few) packed into a small matrix, and the top
-    ``k`` of that; where a row has fewer than ``k`` candidates, or thresholds are 0, the plain ``topk``."""
-    count, length = magnitudes.shape
-    stride = sample_stride(length)
-    if magnitudes.device.type != "cpu" or stride < 16 or k > length // 4:
-        return magnitudes.topk(k, dim=1, sorted=False).indices
-    sample = magnitudes[:, ::stride]
-    place = min(sample.shape[1], -(-2 * k * sample.shape[1] // length) + 1)
-    thresholds = sample.topk(place, dim=1, sorted=True).values[:, -1:]
-    candidate = (magnitudes < thresholds).logical_not_()  # NaN is never below: a candidate
-    per_row = candidate.sum(dim=1)
-    if bool(((per_row < k) | (thresholds.squeeze(1) == 0)).any()):
-        return magnitudes.topk(k, dim=1, sorted=False).indices
-    found = sparse_nonzero(candidate.view(-1)) if 64 * k <= length else candidate.view(-1).nonzero().squeeze(1)
-    row, column = found.div(length, rounding_mode="floor"), found.remainder(length)
-    width = int(per_row.max())
-    within = torch.arange(row.numel(), device=row.device) - (per_row.cumsum(0) - per_row).repeat_interleave(per_row)
-    packed = magnitudes.new_full((count, width), -1.0).index_put_((row, within), magnitudes[row, column])
-    columns = column.new_zeros((count, width)).index_put_((row, within), column)
-    return columns.gather(1, packed.topk(k, dim=1, sorted=False).indices)
-
-
 # -- bit packing by segment: the bytes of packing every tensor on its own, back to back -----------------------
 def packed_lengths(lengths: Sequence[int], bits: int) -> tuple[int, ...]:
     """Bytes of each segment's codes packed at ``bits`` bits (:func:`~gradcomm.compression._numerics.pack_bits`)."""
@@ -515,67 +438,3 @@ def _byte_ids(segments: Segments, bits: int) -> torch.Tensor:
     if bits not in cache:
         cache[bits] = _ids([n * bits // 8 for n in segments.padded(8).lengths], segments.device)
     return cache[bits]
-
-
-# -- random bits keyed by segment ----------------------------------------------------------------------------
-_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
-_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
-_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
-
-
-def _shifted_right(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """A logical right shift of int64 (torch's ``>>`` is arithmetic)."""
-    return (x >> bits).bitwise_and_((1 << (64 - bits)) - 1)
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finalizer, in place: every output bit depends on every input bit."""
-    x = x.bitwise_xor_(_shifted_right(x, 30)).mul_(_MIX1)
-    x = x.bitwise_xor_(_shifted_right(x, 27)).mul_(_MIX2)
-    return x.bitwise_xor_(_shifted_right(x, 31))
-
-
-def segment_noise(seeds: torch.Tensor, segments: Segments, multiple: int = 1) -> torch.Tensor:
-    """Independent int16, uniform over all 65,536 values, one per element of ``segments`` padded to
-    ``multiple`` (1: not padded): element ``i`` of segment ``s`` is 16 bits of SplitMix64's output for
-    ``seeds[s] + (i // 4) * golden``, four elements per 64-bit word. Counter-based: what a segment gets depends
-    on its seed alone, not on the bucket around it; times ``2**-16`` (``NOISE_SCALE``), uniform on
-    ``[-1/2, 1/2)`` as ``centred_noise``."""
-    wanted = segments.padded(multiple) if multiple > 1 else None
-    words_layout = segments.padded(math.lcm(multiple, 4))
-    ids, places = _word_layout(words_layout)
-    noise = _mix(seeds.index_select(0, ids).add_(places, alpha=_GOLDEN)).view(torch.int16)
-    target = wanted.lengths if wanted is not None else segments.lengths
-    if tuple(target) == words_layout.lengths:
-        return noise
-    return noise.index_select(0, _placement_cached(segments, tuple(target), words_layout.lengths))
-
-
-def segment_words(seeds: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """One random 64-bit word (int64) per element of ``segments``: SplitMix64's output for ``seeds[s] + i *
-    golden`` at element ``i`` of segment ``s``."""
-    return _mix(seeds.index_select(0, segments.ids).add_(segments.positions, alpha=_GOLDEN))
-
-
-def _placement_cached(segments: Segments, lengths: tuple[int, ...], wider: tuple[int, ...]) -> torch.Tensor:
-    cache = segments.__dict__.setdefault("_placements", {})
-    if (lengths, wider) not in cache:
-        cache[lengths, wider] = _placement(lengths, wider, segments.device)
-    return cache[lengths, wider]
-
-
-def _word_layout(padded: Padded) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each 64-bit word of noise (4 padded elements): its segment and its place in the segment (cached)."""
-    if not hasattr(padded, "_words"):
-        word_lengths = [n // 4 for n in padded.lengths]
-        ids = _ids(word_lengths, padded.segments.device)
-        starts = torch.tensor(_starts(word_lengths), dtype=torch.int64, device=padded.segments.device)
-        places = torch.arange(len(ids), device=ids.device).sub_(starts.index_select(0, ids))
-        padded._words = (ids, places)
-    return padded._words
-
-
-def seed_of(digest: bytes) -> int:
-    """A 64-bit seed (as int64) from a digest's first 8 bytes."""
-    value = int.from_bytes(digest[:8], "little")
-    return value - (1 << 64) if value >= 1 << 63 else value

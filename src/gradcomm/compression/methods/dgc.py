@@ -53,7 +53,8 @@ from gradcomm.compression.base import _STREAM_KEY, ErrorFeedback, Payload
 from gradcomm.compression.communicators import ALLGATHER
 from gradcomm.compression.memory import ResidualMemory
 from gradcomm.compression.methods.topk import SparseSegments
-from gradcomm.compression.segments import Segments, segment_topk
+from gradcomm.compression.segment_sparse import segment_topk
+from gradcomm.compression.segments import Segments
 
 __all__ = ["DGC"]
 

@@ -30,7 +30,9 @@ import torch
 from gradcomm.compression._numerics import work_dtype, zeros_in
 from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompressor, SegmentedCompressor
 from gradcomm.compression.communicators import ALLREDUCE
-from gradcomm.compression.segments import Budget, Segments, as_dtype, segment_words
+from gradcomm.compression.segment_noise import segment_words
+from gradcomm.compression.segment_sparse import Budget
+from gradcomm.compression.segments import Segments, as_dtype
 
 __all__ = ["RandomK"]
 

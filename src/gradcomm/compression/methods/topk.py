@@ -21,7 +21,8 @@ import torch
 from gradcomm.compression._numerics import index_dtype, zeros_in
 from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedCompressor
 from gradcomm.compression.communicators import ALLGATHER
-from gradcomm.compression.segments import Budget, Segments, as_dtype, segment_topk
+from gradcomm.compression.segment_sparse import Budget, segment_topk
+from gradcomm.compression.segments import Segments, as_dtype
 
 __all__ = ["TopK"]
 
