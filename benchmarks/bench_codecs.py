@@ -13,6 +13,18 @@ the same tree move by 30% or more between runs on a busy host, but blind to memo
 
     python benchmarks/bench_codecs.py [--workloads cnn transformer] [--methods signsgd terngrad ...] [--reps 30]
     python benchmarks/bench_codecs.py --instructions [--workloads ...] [--methods ...]
+    python benchmarks/bench_codecs.py --count [--workloads ...] [--methods ...] [--tensors 28 800]
+
+``--against REV`` times instead the whole hook (CPU seconds of the process: every thread) on each workload's
+gradients as one bucket, this tree's against git revision ``REV``'s (its ``src/gradcomm`` copied and imported
+as ``gradcomm_before``), alternating in one process, and prints medians and quartiles per method::
+
+    python benchmarks/bench_codecs.py --against 326c082 --workloads transformer --reps 15
+
+``--count`` counts instead the aten operators of one call of each method's whole hook (encoding, collectives
+and decoding, every thread: :func:`gradcomm.testing.op_count.hook_calls`) on a one-rank gloo group, with
+each workload's gradients as one bucket and with :func:`~gradcomm.testing.op_count.many_tensor_bucket` s of
+``--tensors`` tensors, beside a plain allreduce's; the table gives each method's count beyond allreduce's.
 """
 
 from __future__ import annotations
@@ -35,6 +47,9 @@ from bench_compression import _one_bucket  # noqa: E402
 from gradcomm.compression.base import Compressor  # noqa: E402
 from gradcomm.compression.registry import methods  # noqa: E402
 from gradcomm.hooks.compression_hook import CompressionState  # noqa: E402
+from gradcomm.hooks.registry import make_comm_hook  # noqa: E402
+from gradcomm.testing import run_on_ranks  # noqa: E402
+from gradcomm.testing.op_count import hook_calls, many_tensor_bucket  # noqa: E402
 
 
 def _compressed_gradients(workload: str, compressor: Compressor) -> list[torch.Tensor]:
@@ -100,12 +115,112 @@ def instructions(workload: str, names: list[str]) -> dict[str, tuple[int, int]]:
     return {name: (counts[2 * i], counts[2 * i + 1]) for i, name in enumerate(names)}
 
 
+BASELINE = "allreduce"
+
+
+def op_counts(buckets: list[str], hooks: list[str], device: str = "cpu") -> dict[str, dict[str, int]]:
+    """Per bucket (a workload's name, or ``"N tensors"``), per hook, the aten operators of one hook call; run
+    on a one-rank group, the bucket on ``device``."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    counts: dict[str, dict[str, int]] = {}
+    for name in buckets:
+        if name.endswith("tensors"):
+            bucket = many_tensor_bucket(int(name.split()[0]), device=device)
+        else:
+            bucket = _one_bucket(name, device)
+        counts[name] = {}
+        for hook in hooks:
+            fn, state = make_comm_hook(hook, process_group=dist.group.WORLD)
+            counts[name][hook] = hook_calls(fn, state, bucket)
+    return counts
+
+
+def count_table(counts: dict[str, dict[str, int]]) -> str:
+    """Markdown: one row per hook, one column per bucket, each count beyond allreduce's (allreduce's own)."""
+    names = list(counts)
+    lines = ["| hook | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for hook in next(iter(counts.values())):
+        cells = [
+            str(counts[name][hook]) if hook == BASELINE else f"{counts[name][hook] - counts[name][BASELINE]:+d}"
+            for name in names
+        ]
+        lines.append(f"| {hook} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _package_at(revision: str) -> Path:
+    """``src/gradcomm`` at ``revision``, copied into a temporary folder as the package ``gradcomm_before``."""
+    import re
+    import subprocess
+    import tarfile
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="gradcomm_before_"))
+    archive = subprocess.run(
+        ["git", "archive", revision, "src/gradcomm"], check=True, capture_output=True, cwd=Path(__file__).parent.parent
+    ).stdout
+    with tarfile.open(fileobj=__import__("io").BytesIO(archive)) as tar:
+        tar.extractall(root, filter="data")
+    (root / "src" / "gradcomm").rename(root / "gradcomm_before")
+    for path in (root / "gradcomm_before").rglob("*.py"):
+        path.write_text(re.sub(r"\bgradcomm\b", "gradcomm_before", path.read_text()))
+    return root
+
+
+def hook_seconds_against(root: str, workloads: list[str], names: list[str], reps: int) -> dict[str, dict[str, tuple[list[float], list[float]]]]:
+    """Per workload and method, CPU seconds of one hook call (after two untimed ones, a fresh state per
+    repetition): this tree's and ``gradcomm_before``'s, alternating; run on a one-rank group."""
+    import importlib
+
+    import torch.distributed as dist
+
+    sys.path.insert(0, root)
+    before = importlib.import_module("gradcomm_before.hooks.registry")
+    before_bucket = importlib.import_module("gradcomm_before.hooks.grad_bucket")
+    torch.set_num_threads(1)
+    out: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
+    for workload in workloads:
+        bucket = many_tensor_bucket(int(workload.split()[0])) if workload.endswith("tensors") else _one_bucket(workload)
+        old_bucket = before_bucket.GradBucket(
+            0, bucket.buffer(), bucket._offsets, bucket._lengths, bucket._shapes, bucket.parameters(), True
+        )
+        values = bucket.buffer().clone()
+        out[workload] = {name: ([], []) for name in names}
+        for rep in range(reps):
+            for name in names[rep % len(names):] + names[: rep % len(names)]:
+                pairs = [(make_comm_hook, bucket, 0), (before.make_comm_hook, old_bucket, 1)]
+                for make, its_bucket, slot in pairs if rep % 2 == 0 else pairs[::-1]:
+                    hook, state = make(name, process_group=dist.group.WORLD)
+                    for _ in range(2):
+                        its_bucket.buffer().copy_(values)
+                        hook(state, its_bucket).wait()
+                    its_bucket.buffer().copy_(values)
+                    start = time.process_time()
+                    hook(state, its_bucket).wait()
+                    out[workload][name][slot].append(time.process_time() - start)
+    return out
+
+
+def _spread(values: list[float]) -> str:
+    quartiles = statistics.quantiles(values, n=4)
+    return f"{1e3 * statistics.median(values):.2f} ({1e3 * quartiles[0]:.2f}-{1e3 * quartiles[2]:.2f})"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", choices=["cnn", "transformer"], default=["cnn", "transformer"])
+    parser.add_argument("--workloads", nargs="*", choices=["cnn", "transformer"], default=["cnn", "transformer"])
     parser.add_argument("--methods", nargs="+", default=sorted(methods()))
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--instructions", action="store_true", help="count instructions under callgrind instead")
+    parser.add_argument("--device", default="cpu", help="with --count: cpu, or cuda")
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"], help="with --count: the group's")
+    parser.add_argument("--against", help="time the hook against this git revision's, alternating")
+    parser.add_argument("--count", action="store_true", help="count the aten operators of one hook call instead")
+    parser.add_argument(
+        "--tensors", nargs="*", type=int, default=[28, 800], help="with --count or --against: bucket sizes"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if os.environ.get(_UNDER_VALGRIND):
@@ -113,6 +228,33 @@ def main(argv: list[str] | None = None) -> None:
             _marked_passes(workload, args.methods)
         return
     print("$ python benchmarks/bench_codecs.py " + shlex.join(argv if argv is not None else sys.argv[1:]))
+    if args.against:
+        root = _package_at(args.against)
+        [seconds] = run_on_ranks(
+            hook_seconds_against,
+            world_size=1,
+            args=(str(root), [*args.workloads, *(f"{n} tensors" for n in args.tensors)], args.methods, args.reps),
+            timeout=3600.0,
+        )
+        for workload, by_method in seconds.items():
+            print(f"\n### {workload}: hook CPU ms, median (quartiles) of {args.reps}, this tree vs {args.against}\n")
+            print("| method | now | before | ratio of medians |\n|---|---|---|---|")
+            for name, (now, then) in by_method.items():
+                ratio = statistics.median(now) / statistics.median(then)
+                print(f"| {name} | {_spread(now)} | {_spread(then)} | {ratio:.2f} |")
+        return
+    if args.count:
+        buckets = [*args.workloads, *(f"{n} tensors" for n in args.tensors)]
+        [counts] = run_on_ranks(
+            op_counts,
+            world_size=1,
+            args=(buckets, [BASELINE, *args.methods], args.device),
+            backend=args.backend,
+            timeout=3600.0,
+        )
+        print("\n### aten operators per hook call, one bucket (allreduce: its own; methods: beyond it)\n")
+        print(count_table(counts))
+        return
     if args.instructions:
         for workload in args.workloads:
             counts = instructions(workload, args.methods)

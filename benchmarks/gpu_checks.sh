@@ -10,14 +10,19 @@
 #    GPU, then the same on this machine's CPU (gloo) in the same run, for the ratio beside it; hook-only
 #    ms on the GPU, and torch.profiler's top operators of the slowest compression hooks there.
 # 3. `gradcomm bench` as a user starts it on a GPU machine: under torchrun (NCCL, LOCAL_RANK's GPU), one rank.
+# 4. Segmented buckets (issue 36): aten calls per hook call on CUDA (benchmarks/bench_codecs.py --count: the
+#    transformer, the CNN, buckets of 28 and 800 tensors; target at most 80 beyond allreduce's, the same at 28
+#    and 800), and gradcomm's DDP step against torch's on the GPU (no
+#    hook; bench_ddp.py's mlp and narrow (1,602 tensors) shapes, one NCCL rank, alternating, synchronized).
 # Each step's output is in OUTPUT_DIR/<step>.log; a failing step does not stop the later ones, and the
 # script's exit status is the number of failed steps. Steps: tests_cuda_gloo tests_cuda_nccl bench_cuda_nccl
-# bench_cpu_gloo bench_hook_only_cuda bench_cli_torchrun_cuda profile_hook_only_cuda.
+# bench_cpu_gloo bench_hook_only_cuda bench_cli_torchrun_cuda profile_hook_only_cuda count_calls_cuda
+# ddp_step_cuda.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_checks.sh OUTPUT_DIR [STEP ...]}
 shift
-wanted=" ${*:-tests_cuda_gloo tests_cuda_nccl bench_cuda_nccl bench_cpu_gloo bench_hook_only_cuda bench_cli_torchrun_cuda profile_hook_only_cuda} "
+wanted=" ${*:-count_calls_cuda ddp_step_cuda tests_cuda_gloo tests_cuda_nccl bench_cuda_nccl bench_cpu_gloo bench_hook_only_cuda bench_cli_torchrun_cuda profile_hook_only_cuda} "
 python=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
@@ -36,6 +41,54 @@ step() {  # step NAME SECONDS COMMAND...: run with a hard limit, log, count a fa
 }
 
 "$python" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
+step count_calls_cuda 150 "$python" benchmarks/bench_codecs.py --count --device cuda --backend nccl \
+    --workloads transformer cnn --tensors 28 800
+cat >"$out/ddp_step_cuda.py" <<'PY'
+"""gradcomm's DDP step against torch's on one GPU (one NCCL rank, no hook), bench_ddp.py's shapes."""
+import copy, statistics, sys, time
+import torch, torch.distributed as dist
+from torch import nn
+sys.path.insert(0, "benchmarks")
+import gradcomm
+from bench_ddp import SHAPES
+dist.init_process_group("nccl")
+torch.cuda.set_device(0)
+device = torch.device("cuda", 0)
+for shape in ("mlp", "narrow"):
+    build, width, depth = SHAPES[shape]
+    module = build(width, depth).to(device)
+    kinds = {
+        "torch": nn.parallel.DistributedDataParallel(copy.deepcopy(module), device_ids=[0]),
+        "gradcomm": gradcomm.DistributedDataParallel(copy.deepcopy(module)),
+    }
+    optimizers = {name: torch.optim.SGD(ddp.parameters(), lr=1e-3) for name, ddp in kinds.items()}
+    x, y = torch.randn(32, width, device=device), torch.randint(0, 10, (32,), device=device)
+    def step(name):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        optimizers[name].zero_grad()
+        nn.functional.cross_entropy(kinds[name](x), y).backward()
+        optimizers[name].step()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+    for name in kinds:
+        for _ in range(5):
+            step(name)
+    medians = {name: [] for name in kinds}
+    for rep in range(5):
+        times = {name: [] for name in kinds}
+        for _ in range(30):
+            for name in (list(kinds) if rep % 2 == 0 else list(reversed(kinds))):
+                times[name].append(step(name))
+        for name in kinds:
+            medians[name].append(statistics.median(times[name]))
+    ratio = statistics.median(a / b for a, b in zip(medians["gradcomm"], medians["torch"]))
+    print(f"{shape} ({len(list(module.parameters()))} tensors): step ms torch "
+          f"{1e3 * statistics.median(medians['torch']):.2f}, gradcomm {1e3 * statistics.median(medians['gradcomm']):.2f}, "
+          f"ratio {ratio:.2f} (medians of 5 repetitions of 30 steps)")
+dist.destroy_process_group()
+PY
+step ddp_step_cuda 150 "$python" -m torch.distributed.run --standalone --nproc-per-node 1 "$out/ddp_step_cuda.py"
 pytest=("$python" -m pytest -q -p no:cacheprovider --timeout 300 tests/engine/test_ddp_vs_torch.py tests/hooks/test_properties.py)
 GRADCOMM_TEST_DEVICE=cuda step tests_cuda_gloo 300 "${pytest[@]}" tests/checkpoint/test_hook_state_resume.py
 GRADCOMM_TEST_DEVICE=cuda GRADCOMM_TEST_BACKEND=nccl GRADCOMM_TEST_WORLD_SIZES=1 \

@@ -4,6 +4,7 @@ error-feedback bookkeeping, and finiteness at the edges of the floating-point ra
 import io
 import math
 import pickle
+import sys
 from functools import partial
 
 import numpy as np
@@ -167,7 +168,10 @@ def test_stochastic_rounding_at_the_noise_extremes(make, noise, dtype, monkeypat
     comments are tight (u = 1 - 2**-16 on a whole level, 127 levels too)."""
     compressor = make()
     qsgd = isinstance(compressor, QSGD)
-    monkeypatch.setattr(_numerics, "centred_noise", lambda shape, generator, device: torch.full(shape, noise, dtype=torch.int16))
+    def constant_noise(seeds, segments, multiple=1):
+        return torch.full((segments.padded(multiple).numel,), noise, dtype=torch.int16)
+
+    monkeypatch.setattr(sys.modules[type(compressor).__module__], "segment_noise", constant_noise)
     generator = torch.Generator().manual_seed(noise)
     one_hot = torch.zeros(4096)
     one_hot[::512] = torch.randn(8, generator=generator)  # one nonzero per bucket of 64 or 512
@@ -231,8 +235,10 @@ def test_randomk_is_unbiased(x, seed):
 def test_randomk_shares_coordinates_across_ranks_with_one_seed(x, seed):
     rank_a, rank_b = RandomK(seed=seed), RandomK(seed=seed)
     for _ in range(3):
-        (_, (indices_a, _, _)), (_, (indices_b, _, _)) = rank_a.compress(x), rank_b.compress(-x)
+        (_, ctx_a), (_, ctx_b) = rank_a.compress(x), rank_b.compress(-x)
+        indices_a, indices_b = ctx_a.ctx[0], ctx_b.ctx[0]
         assert torch.equal(indices_a, indices_b)
+        assert indices_a.unique().numel() == indices_a.numel() == rank_a.k(x.numel())  # distinct
 
 
 @pytest.mark.parametrize(

@@ -23,10 +23,20 @@ subclass declared with ``name=`` and ``summary=``: ``compress``/``decompress``, 
 ``error_feedback`` policy and, if it draws random numbers,
 :class:`~gradcomm.compression.base.RandomizedCompressor` as base. It registers itself
 (:mod:`gradcomm.compression.registry`): it is then a hook of the registry, a choice of ``gradcomm bench``,
-exported here, and covered by the test suites that parametrise over the registry.
+exported here, and covered by the test suites that parametrise over the registry. A method written for a
+whole bucket (:class:`~gradcomm.compression.base.SegmentedCompressor`, every registered one) encodes a bucket's
+tensors at once, each with its own statistics (:mod:`gradcomm.compression.segments`), in a number of torch
+calls that does not grow with the number of tensors.
 """
 
-from gradcomm.compression.base import Compressor, ErrorFeedback, RandomizedCompressor, RowwiseCompressor
+from gradcomm.compression.base import (
+    Compressor,
+    ErrorFeedback,
+    RandomizedCompressor,
+    RowwiseCompressor,
+    SegmentedCompressor,
+    SegmentedRowwiseCompressor,
+)
 from gradcomm.compression.memory import Memory, NoMemory, ResidualMemory
 from gradcomm.compression.methods.identity import NoCompression
 from gradcomm.compression.registry import methods as _methods
@@ -42,5 +52,7 @@ __all__ = [
     "RandomizedCompressor",
     "ResidualMemory",
     "RowwiseCompressor",
+    "SegmentedCompressor",
+    "SegmentedRowwiseCompressor",
     *sorted(method.__name__ for method in _methods().values()),
 ]

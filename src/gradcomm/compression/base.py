@@ -11,6 +11,12 @@ stays on the rank (shape, dtype, indices drawn from a shared seed). The class al
 
 A payload's tensor shapes and dtypes must depend only on the input's shape and dtype, never on its values:
 ranks exchange payloads of equal size without first agreeing on it.
+
+A method may instead work on a whole bucket at once (:class:`SegmentedCompressor`): the bucket's compressed
+tensors back to back, with their lengths and keys (:class:`~gradcomm.compression.segments.Segments`), each
+still with its own statistics. The hook then encodes, exchanges and decodes a bucket in a number of torch
+calls that does not grow with its number of tensors; ``compress``/``decompress`` of one tensor are derived
+from the segmented form (a bucket of one), so both give the same payloads.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import torch
 import torch.distributed as dist
 
 from gradcomm.compression._numerics import ordered_mean
+from gradcomm.compression.segment_noise import seed_of
+from gradcomm.compression.segments import Segments
 
 if TYPE_CHECKING:
     from gradcomm.compression.communicators import Communicator
@@ -40,6 +48,8 @@ __all__ = [
     "Payload",
     "RandomizedCompressor",
     "RowwiseCompressor",
+    "SegmentedCompressor",
+    "SegmentedRowwiseCompressor",
     "TensorSpec",
 ]
 
@@ -143,6 +153,9 @@ class Compressor(ABC):
 
             register(cls)
 
+    segmented: ClassVar[bool] = False
+    """Whether the method encodes a whole bucket at once (:class:`SegmentedCompressor`)."""
+
     @abstractmethod
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, Any]:
         """Encode ``tensor``; the payload is what is sent, ``ctx`` what :meth:`decompress` needs locally."""
@@ -185,6 +198,14 @@ class Compressor(ABC):
         """Scope for compressing the tensor identified by ``key`` (see :class:`RandomizedCompressor`)."""
         return contextlib.nullcontext()
 
+    def payload_layout(self, lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
+        """The payload of tensors of ``lengths`` elements and ``dtype``: ``(elements, dtype)`` per payload
+        tensor. The hook decides from it which tensors are worth compressing. By default, for one tensor,
+        from compressing a tensor of the meta device (a :class:`SegmentedCompressor` states it instead)."""
+        [numel] = lengths
+        payload, _ = self.compress(torch.empty(numel, dtype=dtype, device="meta"))
+        return [(part.numel(), part.dtype) for part in payload]
+
     def state_dict(self) -> dict[str, Any]:
         """State to checkpoint with the hook's (tensors and plain values only)."""
         return {}
@@ -197,6 +218,84 @@ class Compressor(ABC):
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({fields})"
+
+
+@dataclass(frozen=True)
+class _OneTensor:
+    """``ctx`` of one tensor compressed by a :class:`SegmentedCompressor`: its own ``ctx`` and layout."""
+
+    ctx: Any
+    segments: Segments
+
+
+def _flat_out(out: torch.Tensor | None, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+    usable = out is not None and out.is_contiguous() and out.numel() == numel and out.dtype == dtype
+    return out.view(-1) if usable else None
+
+
+class SegmentedCompressor(Compressor):
+    """A method written for a whole bucket: a flat tensor holding several tensors back to back, with their
+    layout (:class:`~gradcomm.compression.segments.Segments`: lengths, keys, shapes).
+
+    Subclasses implement :meth:`compress_segments`, :meth:`decompress_segments` and :meth:`payload_layout`
+    (and :meth:`aggregate_segments`, :meth:`residual_segments` where they can do better than the defaults);
+    per-tensor statistics come from segmented operations (:mod:`gradcomm.compression.segments`), so that the
+    number of torch calls does not depend on the number of segments. ``compress``/``decompress`` of a single
+    tensor are the segmented form on a bucket of one tensor, keyed by the current :meth:`stream`'s key.
+    """
+
+    segmented = True
+
+    @abstractmethod
+    def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, Any]:
+        """Encode every segment of ``flat``; the payload is what is sent, ``ctx`` what decoding needs."""
+
+    @abstractmethod
+    def decompress_segments(
+        self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The flat tensor of every segment decoded (or, for allreduce, of a sum of payloads); ``out``: a flat
+        tensor of ``segments.numel`` elements it may be written into."""
+
+    @abstractmethod
+    def payload_layout(self, lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
+        """``(elements, dtype)`` of each payload tensor of a bucket of segments of ``lengths`` elements."""
+
+    def aggregate_segments(
+        self, gathered: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The mean over ranks (leading axis of ``gathered``), summed in rank order (as :meth:`aggregate`)."""
+        world_size = gathered[0].shape[0]
+        return ordered_mean(
+            (self.decompress_segments([p[rank] for p in gathered], ctx, segments) for rank in range(world_size)),
+            world_size,
+            out,
+        )
+
+    def residual_segments(self, corrected: torch.Tensor, payload: Payload, ctx: Any, segments: Segments) -> torch.Tensor:
+        """``corrected - decompress_segments(...)``, which may overwrite ``corrected`` (see :meth:`residual`)."""
+        return corrected.sub_(self.decompress_segments(payload, ctx, segments))
+
+    # -- one tensor: a bucket of one segment --------------------------------------------------------------
+    def compress(self, tensor: torch.Tensor) -> tuple[Payload, _OneTensor]:
+        segments = Segments.of([tensor], [_STREAM_KEY.get()])
+        payload, ctx = self.compress_segments(tensor.reshape(-1), segments)
+        return payload, _OneTensor(ctx, segments)
+
+    def decompress(self, payload: Payload, ctx: _OneTensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        segments = ctx.segments
+        flat_out = _flat_out(out, segments.numel, segments.dtype)
+        return self.decompress_segments(payload, ctx.ctx, segments, flat_out).view(segments.shapes[0])
+
+    def aggregate(self, gathered: Payload, ctx: _OneTensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        segments = ctx.segments
+        flat_out = _flat_out(out, segments.numel, segments.dtype)
+        return self.aggregate_segments(gathered, ctx.ctx, segments, flat_out).view(segments.shapes[0])
+
+    def residual(self, corrected: torch.Tensor, payload: Payload, ctx: _OneTensor) -> torch.Tensor:
+        shape = corrected.shape
+        flat = corrected.contiguous().view(-1)
+        return self.residual_segments(flat, payload, ctx.ctx, ctx.segments).view(shape)
 
 
 class RandomizedCompressor(Compressor):
@@ -235,6 +334,19 @@ class RandomizedCompressor(Compressor):
         digest = hashlib.blake2b(repr((self.seed, rank, key, count)).encode(), digest_size=8).digest()
         return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)
 
+    def segment_seeds(self, segments: Segments) -> torch.Tensor:
+        """One 64-bit seed per segment for its next draw, from ``(seed, rank, key, count)`` as
+        :meth:`generator` (for :func:`~gradcomm.compression.segments.segment_noise`): what a tensor draws
+        depends on its key and count alone, whichever bucket it is in."""
+        rank = 0 if self.shared_randomness or not dist.is_initialized() else dist.get_rank()
+        seeds = []
+        for key in segments.keys:
+            count = self._draws.get(key, 0)
+            self._draws[key] = count + 1
+            digest = hashlib.blake2b(repr(("segments", self.seed, rank, key, count)).encode(), digest_size=8)
+            seeds.append(seed_of(digest.digest()))
+        return torch.tensor(seeds, dtype=torch.int64, device=segments.device)
+
     def state_dict(self) -> dict[str, Any]:
         return {"draws": dict(self._draws)}
 
@@ -264,3 +376,38 @@ class RowwiseCompressor(Compressor):
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         row_ctx, shape = ctx
         return self.decompress_rows(payload, row_ctx).reshape(shape)
+
+
+def _row_segments(rows: int, length: int, dtype: torch.dtype, device: torch.device) -> Segments:
+    return Segments((length,) * rows, (None,) * rows, (torch.Size([length]),) * rows, dtype, device)
+
+
+class SegmentedRowwiseCompressor(RowwiseCompressor, SegmentedCompressor):
+    """A row-wise method written in segmented form (one scale or range per segment): its rows are segments,
+    and :class:`~gradcomm.compression.communicators.TwoStageAllreduce` sends a whole bucket's chunks at once.
+    Every payload tensor of a bucket of segments is the segments' parts back to back, so a bucket of rows of
+    one layout splits into equal rows."""
+
+    def compress_rows(self, rows: torch.Tensor) -> tuple[Payload, Any]:
+        segments = _row_segments(rows.shape[0], rows.shape[1], rows.dtype, rows.device)
+        payload, ctx = self.compress_segments(rows.reshape(-1), segments)
+        return [part.reshape(rows.shape[0], -1) for part in payload], (ctx, rows.shape[1], rows.dtype)
+
+    def decompress_rows(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        inner, length, dtype = ctx
+        rows = payload[0].shape[0]
+        segments = _row_segments(rows, length, dtype, payload[0].device)
+        flat = self.decompress_segments([part.reshape(-1) for part in payload], inner, segments)
+        return flat.view(rows, length)
+
+    def compress(self, tensor: torch.Tensor) -> tuple[Payload, Any]:
+        return RowwiseCompressor.compress(self, tensor)
+
+    def decompress(self, payload: Payload, ctx: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        return RowwiseCompressor.decompress(self, payload, ctx)
+
+    def aggregate(self, gathered: Payload, ctx: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        return Compressor.aggregate(self, gathered, ctx, out)
+
+    def residual(self, corrected: torch.Tensor, payload: Payload, ctx: Any) -> torch.Tensor:
+        return Compressor.residual(self, corrected, payload, ctx)

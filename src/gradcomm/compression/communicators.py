@@ -31,8 +31,10 @@ from gradcomm import comm
 from gradcomm.comm.futures import when_all
 from gradcomm.comm.launcher import Launch, OrderedLauncher
 from gradcomm.compression._numerics import ordered_mean
-from gradcomm.compression.base import Compressor, Payload, RowwiseCompressor, TensorSpec
+from gradcomm.compression.base import Compressor, Payload, RowwiseCompressor, SegmentedCompressor, TensorSpec
 from gradcomm.compression.memory import Memory, NoMemory
+from gradcomm.compression.row_layout import RowLayout
+from gradcomm.compression.segments import Segments
 
 __all__ = [
     "ALLGATHER",
@@ -86,8 +88,53 @@ def compensated_compress(
     return payload, ctx
 
 
+def compensated_compress_segments(
+    compressor: SegmentedCompressor, memory: Memory, segments: Segments, flat: torch.Tensor, owned: bool = False
+) -> tuple[Payload, Any]:
+    """:func:`compensated_compress` of a whole bucket: ``flat`` holds ``segments``, compensated and stored
+    as one flat residual. ``owned``: ``flat`` is the caller's to overwrite (a copy of the bucket's values)."""
+    corrected = memory.compensate_segments(segments, flat)
+    try:
+        payload, ctx = compressor.compress_segments(corrected, segments)
+        if memory.enabled:
+            kept = corrected.clone() if corrected is flat and not owned else corrected
+            memory.store_segments(segments, compressor.residual_segments(kept, payload, ctx, segments))
+    except BaseException:
+        memory.discard_segments(segments)
+        raise
+    return payload, ctx
+
+
+@dataclass(frozen=True, eq=False)
+class SegmentCodec:
+    """A segmented compressor's decoding of one bucket, as a :class:`Message`'s ``compressor`` (the
+    exchanges call ``decompress`` and ``aggregate`` with a payload, a ``ctx`` and an ``out``)."""
+
+    compressor: SegmentedCompressor
+    segments: Segments
+
+    def decompress(self, payload: Payload, ctx: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.compressor.decompress_segments(payload, ctx, self.segments, out)
+
+    def aggregate(self, gathered: Payload, ctx: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.compressor.aggregate_segments(gathered, ctx, self.segments, out)
+
+
 class Communicator(ABC):
     """Encodes tensors (with error feedback) and exchanges a batch of their payloads asynchronously."""
+
+    def encode_segments(
+        self,
+        compressor: SegmentedCompressor,
+        segments: Segments,
+        flat: torch.Tensor,
+        memory: Memory,
+        world_size: int,
+        owned: bool = False,
+    ) -> Message:
+        """Compress a whole bucket's ``flat`` tensors for this exchange, with ``memory``'s error feedback."""
+        payload, ctx = compensated_compress_segments(compressor, memory, segments, flat, owned)
+        return Message(segments.keys, SegmentCodec(compressor, segments), payload, ctx)  # type: ignore[arg-type]
 
     def encode(
         self, compressor: Compressor, key: Hashable, tensor: torch.Tensor, memory: Memory, world_size: int
@@ -275,6 +322,14 @@ def _all_to_all(rows: torch.Tensor, group: ProcessGroup | None) -> Launch:
     return lambda: comm.all_to_all_single(rows, group)
 
 
+@dataclass(frozen=True, eq=False)
+class _SegmentedRows:
+    """``ctx`` of a bucket encoded for :class:`TwoStageAllreduce`."""
+
+    layout: RowLayout
+    ctx: Any
+
+
 @dataclass(frozen=True)
 class TwoStageAllreduce(Communicator):
     """A compressed allreduce in two stages, for :class:`~gradcomm.compression.base.RowwiseCompressor` s.
@@ -294,6 +349,58 @@ class TwoStageAllreduce(Communicator):
         if not isinstance(compressor, RowwiseCompressor):
             raise TypeError(f"TwoStageAllreduce needs a RowwiseCompressor, got {type(compressor).__name__}")
         return compressor
+
+    def encode_segments(
+        self,
+        compressor: SegmentedCompressor,
+        segments: Segments,
+        flat: torch.Tensor,
+        memory: Memory,
+        world_size: int,
+        owned: bool = False,
+    ) -> Message:
+        """A whole bucket cut in rows (:class:`RowLayout`) and compressed at once, one scale per chunk."""
+        layout = RowLayout.of(segments, world_size)
+        corrected = memory.compensate_segments(segments, flat)
+        try:
+            payload, ctx = compressor.compress_segments(layout.cut(corrected), layout.rows)
+            if memory.enabled:
+                sent = layout.join(compressor.decompress_segments(payload, ctx, layout.rows))
+                kept = corrected.clone() if corrected is flat and not owned else corrected
+                memory.store_segments(segments, kept.sub_(sent))
+        except BaseException:
+            memory.discard_segments(segments)
+            raise
+        return Message(segments.keys, SegmentCodec(compressor, segments), payload, _SegmentedRows(layout, ctx))  # type: ignore[arg-type]
+
+    def _exchange_segments(
+        self, message: Message, group: ProcessGroup | None, memory: Memory, launcher: OrderedLauncher
+    ) -> torch.futures.Future[list[torch.Tensor]]:
+        """Both stages for a whole bucket: one all-to-all of every chunk's row, one decoding and mean of the
+        rows received, one recompression (with the server residuals, flat) and one all-gather."""
+        world_size = comm.group_size(group)
+        compressor = message.compressor.compressor  # type: ignore[attr-defined]
+        layout, ctx = message.ctx.layout, message.ctx.ctx
+        server_memory = memory if self.server_error_feedback else NoMemory()
+        parts = [part.reshape(world_size, -1) for part in message.payload]
+        rows = _pack_rows(parts, world_size)
+        received = launcher.launch(_all_to_all(rows, group), rows.device)
+        reduced: list[Payload] = []
+
+        def reduce(fut: torch.futures.Future[torch.Tensor]) -> Launch:
+            got = _unpack_rows(fut.value(), [part[0] for part in parts])
+            decoded = compressor.decompress_segments([part.reshape(-1) for part in got], ctx, layout.rows)
+            mean = ordered_mean(decoded.view(world_size, -1).unbind(0), world_size)
+            payload, _ = compensated_compress_segments(compressor, server_memory, layout.row, mean, owned=True)
+            reduced.append(payload)
+            return _all_gather(_pack_rows([part.reshape(1, -1) for part in payload], 1).view(-1), group)
+
+        def decompress(fut: torch.futures.Future[torch.Tensor]) -> list[torch.Tensor]:
+            gathered = _unpack_rows(fut.value().view(world_size, -1), [part.reshape(-1) for part in reduced[0]])
+            values = compressor.decompress_segments([part.reshape(-1) for part in gathered], ctx, layout.rows)
+            return [layout.join(values)]
+
+        return launcher.launch_after(received, reduce, rows.device).then(decompress)
 
     def encode(
         self, compressor: Compressor, key: Hashable, tensor: torch.Tensor, memory: Memory, world_size: int
@@ -337,6 +444,8 @@ class TwoStageAllreduce(Communicator):
         memory: Memory,
         launcher: OrderedLauncher,
     ) -> torch.futures.Future[list[torch.Tensor]]:
+        if len(messages) == 1 and isinstance(messages[0].compressor, SegmentCodec):
+            return self._exchange_segments(messages[0], group, memory, launcher)
         world_size = comm.group_size(group)
         rank = comm.group_rank(group)
         server_memory = memory if self.server_error_feedback else NoMemory()

@@ -7,8 +7,11 @@ Register it in one line on torch's DistributedDataParallel or gradcomm's (overla
 
     ddp.register_comm_hook(CompressionState(TopK(ratio=0.01)), compressed_allreduce_hook)
 
-Per bucket, large gradients are compressed one by one (with the compressor's error feedback, keyed by
-parameter), or as one concatenation where the method is elementwise and keeps no residuals (signSGD).
+Per bucket, large gradients are compressed together, as one segmented bucket, where the method is a
+:class:`~gradcomm.compression.base.SegmentedCompressor` (each tensor keeps its own statistics; the number of
+torch calls per bucket does not grow with its number of tensors), else one by one (with the compressor's
+error feedback, keyed by parameter), or as one concatenation where the method is elementwise and keeps no
+residuals.
 Small ones (biases, norms: fewer than ``min_numel`` elements, or compressed less than
 ``min_compression_rate`` times) are sent dense, as one flat tensor per bucket, in an allreduce of their own
 or, where the method's communicator carries them at no cost (an all-gather on two ranks), in its
@@ -28,6 +31,7 @@ the first step, naming the parameter.
 # No ``from __future__ import annotations``: torch's DDP compares the hook's annotations with real types.
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,10 +41,11 @@ from torch.distributed import ProcessGroup
 from gradcomm import comm
 from gradcomm.comm.futures import when_all
 from gradcomm.comm.launcher import OrderedLauncher
-from gradcomm.compression.base import Compressor
+from gradcomm.compression.base import Compressor, SegmentedCompressor
 from gradcomm.compression.communicators import Communicator, Message
 from gradcomm.compression.memory import Memory, NoMemory, ResidualMemory
 from gradcomm.compression.methods.identity import NoCompression
+from gradcomm.compression.segments import Segments, _arithmetic_runs
 from gradcomm.hooks.hook_state import HookState
 from gradcomm.hooks.parameter_keys import Key, ParameterKeys, SavedKeyCheck
 
@@ -95,6 +100,7 @@ class CompressionState(HookState):
     def _reset_caches(self, loaded: bool = False) -> None:
         self._keys = ParameterKeys()
         self._compressible: dict[tuple[torch.Size, torch.dtype], bool] = {}
+        self._plans: dict[tuple[Any, ...], _Plan] = {}
         residuals = self.memory.state_dict()
         self._check = (
             SavedKeyCheck("CompressionState", {key: tuple(r.shape) for key, r in residuals.items()})
@@ -106,11 +112,12 @@ class CompressionState(HookState):
         """One key per gradient of ``bucket`` (see :mod:`gradcomm.hooks.parameter_keys`)."""
         return self._keys.of(bucket)
 
-    def check_loaded(self, bucket: dist.GradBucket, keys: Sequence[Key], gradients: Sequence[torch.Tensor]) -> None:
-        """In the first iteration after loading: refuse residuals that do not fit this model's parameters."""
+    def check_loaded(self, bucket: dist.GradBucket, keys: Sequence[Key], gradients: Sequence[Any]) -> None:
+        """In the first iteration after loading: refuse residuals that do not fit this model's parameters
+        (``gradients``: the gradients, or their shapes)."""
         if self._check is None:
             return
-        self._check.check_bucket(keys, (g.shape for g in gradients))
+        self._check.check_bucket(keys, (g if isinstance(g, torch.Size) else g.shape for g in gradients))
         if bucket.is_last():
             check, self._check = self._check, None
             check.end_iteration()
@@ -120,15 +127,30 @@ class CompressionState(HookState):
         empty tensor never is, whatever ``min_numel``: it has nothing to compress (and no scale to compute)."""
         if tensor.numel() < max(self.min_numel, 1):
             return False
-        signature = (tensor.shape, tensor.dtype)
+        return self._compresses(tensor.shape, tensor.dtype)
+
+    def _compresses(self, shape: torch.Size, dtype: torch.dtype) -> bool:
+        if shape.numel() < max(self.min_numel, 1):
+            return False
+        signature = (shape, dtype)
         if signature not in self._compressible:
-            payload, _ = self.compressor.compress(
-                torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-            )
-            payload_bytes = sum(part.numel() * part.element_size() for part in payload)
-            dense_bytes = tensor.numel() * tensor.element_size()
+            layout = self.compressor.payload_layout((shape.numel(),), dtype)
+            payload_bytes = sum(numel * _itemsize(part_dtype) for numel, part_dtype in layout)
+            dense_bytes = shape.numel() * _itemsize(dtype)
             self._compressible[signature] = dense_bytes >= self.min_compression_rate * payload_bytes
         return self._compressible[signature]
+
+    def plan(self, bucket: dist.GradBucket, keys: Sequence[Key]) -> "_Plan":
+        """Which of ``bucket``'s gradients are compressed and which sent dense, with their layouts (kept per
+        bucket layout: the index tensors are made once)."""
+        buffer = bucket.buffer()
+        parameters = bucket.parameters()
+        shapes = tuple(p.shape for p in parameters) if parameters else tuple(g.shape for g in bucket.gradients())
+        signature = (tuple(keys), shapes, buffer.dtype, buffer.device)
+        found = self._plans.get(signature)
+        if found is None:
+            found = self._plans[signature] = _Plan.of(self, keys, shapes, buffer)
+        return found
 
     # -- checkpointing: residuals and the compressor's random-stream counters, never the caches ------------
     def _plain_state(self) -> dict[str, Any]:
@@ -146,7 +168,7 @@ class CompressionState(HookState):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for cache in ("_keys", "_compressible", "_launcher", "_check"):
+        for cache in ("_keys", "_compressible", "_plans", "_launcher", "_check"):
             state.pop(cache, None)
         return state
 
@@ -154,6 +176,169 @@ class CompressionState(HookState):
         super().__setstate__(state)
         self._launcher = OrderedLauncher()
         self._reset_caches(loaded=True)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+_MAX_GROUPS = 8
+"""A part of a bucket in at most this many strided groups of runs is copied group by group (memory speed, a
+few calls per group); in more, by one gather with an index."""
+
+
+@dataclass(frozen=True, eq=False)
+class _Part:
+    """Some gradients of a bucket, as one flat tensor: where they lie in the bucket's buffer.
+
+    The gradients' contiguous runs in the buffer are grouped into runs of one length at one stride (a layer
+    repeated in every block, a weight between two biases): each group is one strided view of the buffer, so
+    the part is gathered and written back in a few calls per group, whatever the number of gradients. The
+    part's segments follow the groups' order (not necessarily the bucket's)."""
+
+    segments: Segments
+    groups: tuple[tuple[int, int, int, int], ...]
+    """``(count, length, stride, start)`` of each group of runs."""
+    index: torch.Tensor | None
+    """Each element's place in the buffer, where there are more than :data:`_MAX_GROUPS` groups."""
+
+    @classmethod
+    def of(cls, positions: list[int], keys: Sequence[Key], shapes: Sequence[torch.Size], buffer: torch.Tensor) -> "_Part":
+        lengths = [shape.numel() for shape in shapes]
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        runs: list[list[int]] = []  # the positions of each contiguous run
+        for i in positions:
+            if runs and starts[runs[-1][-1]] + lengths[runs[-1][-1]] == starts[i]:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        run_starts = [starts[run[0]] for run in runs]
+        run_lengths = [sum(lengths[i] for i in run) for run in runs]
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for r, run in enumerate(runs):
+            by_shape.setdefault(tuple(lengths[i] for i in run), []).append(r)
+        groups, order = [], []
+        for members in by_shape.values():
+            for group, stride in _arithmetic_runs(members, run_starts, run_lengths[members[0]]):
+                groups.append((len(group), run_lengths[group[0]], stride, run_starts[group[0]]))
+                order.extend(i for r in group for i in runs[r])
+        segments = Segments(
+            tuple(lengths[i] for i in order),
+            tuple(keys[i] for i in order),
+            tuple(shapes[i] for i in order),
+            buffer.dtype,
+            buffer.device,
+        )
+        index = None
+        if len(groups) > _MAX_GROUPS:
+            index = torch.cat([torch.arange(starts[i], starts[i] + lengths[i], device=buffer.device) for i in order])
+        return cls(segments, tuple(groups), index)
+
+    @property
+    def span(self) -> tuple[int, int] | None:
+        if len(self.groups) == 1 and self.groups[0][0] == 1:
+            _, length, _, start = self.groups[0]
+            return start, start + length
+        return None
+
+    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        offset = buffer.storage_offset()
+        return [
+            buffer.as_strided((count, length), (stride, 1), offset + start)
+            for count, length, stride, start in self.groups
+        ]
+
+    def take(self, buffer: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The part's values, and whether they are a copy (else a view of the buffer)."""
+        span = self.span
+        if span is not None:
+            return buffer[span[0] : span[1]], False
+        if self.index is not None:
+            return buffer.index_select(0, self.index), True
+        views = self._views(buffer)
+        if len(views) == 1:
+            return views[0].reshape(-1), True
+        return torch.cat([view.reshape(-1) for view in views]), True
+
+    def put(self, buffer: torch.Tensor, values: torch.Tensor) -> None:
+        values = values if values.dtype == buffer.dtype else values.to(buffer.dtype)
+        span = self.span
+        if span is not None:
+            place = buffer[span[0] : span[1]]
+            if place.data_ptr() != values.data_ptr():
+                place.copy_(values)
+        elif self.index is not None:
+            buffer.index_copy_(0, self.index, values)
+        else:
+            views = self._views(buffer)
+            pieces = [values] if len(views) == 1 else values.split([view.numel() for view in views])
+            for view, piece in zip(views, pieces, strict=True):
+                view.copy_(piece.view(view.shape))
+
+
+@dataclass(frozen=True, eq=False)
+class _Plan:
+    """A bucket layout's compressed part and dense part (either may be absent)."""
+
+    keys: tuple[Key, ...]
+    shapes: tuple[torch.Size, ...]
+    compressed: _Part | None
+    dense: _Part | None
+
+    @classmethod
+    def of(cls, state: CompressionState, keys: Sequence[Key], shapes: tuple[torch.Size, ...], buffer: torch.Tensor) -> "_Plan":
+        flags = [state._compresses(shape, buffer.dtype) for shape in shapes]
+        parts = []
+        for wanted in (True, False):
+            positions = [i for i, flag in enumerate(flags) if flag == wanted]
+            parts.append(_Part.of(positions, keys, shapes, buffer) if positions else None)
+        return cls(tuple(keys), shapes, parts[0], parts[1])
+
+
+def _segmented_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The hook for a :class:`SegmentedCompressor`: the bucket's compressed gradients encoded as one segmented
+    flat tensor, its dense ones as one flat tensor; a number of torch calls that does not depend on the
+    number of gradients."""
+    world_size = comm.group_size(state.process_group)
+    keys = state.keys(bucket)
+    plan = state.plan(bucket, keys)
+    state.check_loaded(bucket, plan.keys, plan.shapes)
+    compressor = state.compressor
+    assert isinstance(compressor, SegmentedCompressor)
+    method = compressor.communicator
+    buffer = bucket.buffer().view(-1)
+    batches: dict[Communicator, list[tuple[_Part, Message]]] = {}
+    if plan.dense is not None:
+        communicator = method if method.carries_dense(world_size) else _DENSE.communicator
+        flat, _ = plan.dense.take(buffer)
+        message = communicator.encode(_DENSE, None, flat, _NO_MEMORY, world_size)
+        message.out = flat if plan.dense.span is not None else None
+        batches.setdefault(communicator, []).append((plan.dense, message))
+    if plan.compressed is not None:
+        flat, owned = plan.compressed.take(buffer)
+        message = method.encode_segments(
+            compressor, plan.compressed.segments, flat, state.memory, world_size, owned
+        )
+        message.out = flat if not owned else None
+        batches.setdefault(method, []).append((plan.compressed, message))
+    futures = [
+        communicator.exchange(
+            [message for _, message in items], state.process_group, state.server_memory, state._launcher
+        )
+        for communicator, items in batches.items()
+    ]
+    result_buffer = bucket.buffer()
+
+    def assemble(fut: torch.futures.Future[list[list[torch.Tensor]]]) -> torch.Tensor:
+        for items, tensors in zip(batches.values(), fut.value(), strict=True):
+            for (part, _), tensor in zip(items, tensors, strict=True):
+                part.put(buffer, tensor.reshape(-1))
+        return result_buffer
+
+    result = when_all(futures, buffer.device).then(assemble)
+    if bucket.is_last():
+        state._launcher.wait_until_launched()
+    return result
 
 
 def _written_into(buffer: torch.Tensor, pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -181,6 +366,8 @@ def compressed_allreduce_hook(
     state: CompressionState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Average ``bucket``'s gradients over ``state.process_group``, compressed with ``state.compressor``."""
+    if state.compressor.segmented:
+        return _segmented_hook(state, bucket)
     world_size = comm.group_size(state.process_group)
     gradients = bucket.gradients()
     keys = state.keys(bucket)

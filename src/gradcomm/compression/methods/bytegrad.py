@@ -16,12 +16,14 @@ first stage (the second stage's error is not fed back).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
 from gradcomm.compression._numerics import as_uint8, decode_bits, nonzero_or_one, work_dtype
-from gradcomm.compression.base import ErrorFeedback, Payload, RowwiseCompressor
+from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedRowwiseCompressor
 from gradcomm.compression.communicators import TwoStageAllreduce
+from gradcomm.compression.segments import Segments, as_dtype, decode_segments, segment_reduce
 
 __all__ = ["ByteGrad"]
 
@@ -29,36 +31,53 @@ _LEVELS = 255
 
 
 class ByteGrad(
-    RowwiseCompressor, name="bytegrad", summary="8-bit min-max quantization, all-to-all then all-gather"
+    SegmentedRowwiseCompressor, name="bytegrad", summary="8-bit min-max quantization, all-to-all then all-gather"
 ):
-    """Round-to-nearest 8-bit quantization between each row's minimum and maximum."""
+    """Round-to-nearest 8-bit quantization between each row's (segment's) minimum and maximum."""
 
     communicator = TwoStageAllreduce(server_error_feedback=False)
     error_feedback = ErrorFeedback.OPTIONAL
 
-    def compress_rows(self, rows: torch.Tensor) -> tuple[Payload, torch.dtype]:
-        work = rows.to(work_dtype(rows.dtype))
-        low = work.amin(dim=1, keepdim=True)
-        high = work.amax(dim=1, keepdim=True)  # two reductions: aminmax along a dimension is many times slower
-        # Each row is scaled by a power of two (exactly) where its range would not do: halved where the range
-        # overflows (max - min beyond the dtype's largest value), times 2**64 where it is so small (subnormal,
-        # say) that 255 / range would overflow. The codes of the scaled row are the row's.
+    def payload_layout(self, lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
+        return [(sum(lengths), torch.uint8), (len(lengths), work_dtype(dtype)), (len(lengths), work_dtype(dtype))]
+
+    def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
+        work = as_dtype(flat, work_dtype(flat.dtype))
+        low = segment_reduce(work, "min", segments)
+        high = segment_reduce(work, "max", segments)
+        # Each segment is scaled by a power of two (exactly) where its range would not do: halved where the
+        # range overflows (max - min beyond the dtype's largest value), times 2**64 where it is so small
+        # (subnormal, say) that 255 / range would overflow. The codes of the scaled segment are the segment's.
         span = high - low
         scale = torch.where(torch.isfinite(span), torch.where(span < 2.0**-60, 2.0**64, 1.0), 0.5).to(work.dtype)
         span = high * scale - low * scale
         steps_per_unit = torch.where(span > 0, _LEVELS / nonzero_or_one(span), 0.0)  # a constant row: all code 0
         # The code is the position (x - low) / (high - low) times 255, rounded half up: + 1/2, then truncated by
-        # the integer conversion. x - low is in [0, high - low] (rounding is monotonic), so the code is in [0, 255]
-        # (the product passes 255 by an ulp or two at most).
-        position = (work * scale).sub_(low * scale)
-        return [as_uint8(position.mul_(steps_per_unit).add_(0.5)), low, high], rows.dtype
+        # the integer conversion. x - low is in [0, high - low] (rounding is monotonic), so the code is in
+        # [0, 255] (the product passes 255 by an ulp or two at most).
+        codes = segments.groups.rowwise(
+            lambda rows, s, low_scaled, steps: as_uint8((rows * s).sub_(low_scaled).mul_(steps).add_(0.5)),
+            [work],
+            [scale, low * scale, steps_per_unit],
+            torch.empty(work.shape, dtype=torch.uint8, device=work.device),
+        )
+        return [codes, low, high], None
 
-    def decompress_rows(self, payload: Payload, ctx: torch.dtype) -> torch.Tensor:
+    def decompress_segments(
+        self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         codes, low, high = payload
         position = _positions(low.dtype, low.device)
-        # a convex combination (it cannot overflow) of each row's 256 code values, then one lookup per code
-        values = (low * (1 - position) + high * position).to(ctx)
-        return decode_bits(codes, 8, codes.shape[-1], values)
+        # a convex combination (it cannot overflow) of each segment's 256 code values, then one lookup per code
+        values = as_dtype(low.unsqueeze(1) * (1 - position) + high.unsqueeze(1) * position, segments.dtype)
+        groups = segments.groups
+        if len(segments) == 1 or len(groups.runs) > 16:
+            return decode_segments(codes, segments, 8, values)
+        out = torch.empty(segments.numel, dtype=segments.dtype, device=codes.device)
+        tables = groups.per_run(values)
+        for rows_out, rows, table in zip(groups.rows(out), groups.rows(codes), tables, strict=True):
+            rows_out.copy_(decode_bits(rows, 8, rows.shape[1], table))
+        return out
 
 
 @functools.lru_cache(maxsize=16)

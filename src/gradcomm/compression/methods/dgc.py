@@ -49,18 +49,23 @@ from typing import Any
 
 import torch
 
-from gradcomm.compression._numerics import index_dtype, sparse_mean, sparse_to_dense, top_magnitudes
-from gradcomm.compression.base import _STREAM_KEY, Compressor, ErrorFeedback, Payload, TensorSpec
+from gradcomm.compression.base import _STREAM_KEY, ErrorFeedback, Payload
 from gradcomm.compression.communicators import ALLGATHER
+from gradcomm.compression.memory import ResidualMemory
+from gradcomm.compression.methods.topk import SparseSegments
+from gradcomm.compression.segment_sparse import segment_topk
+from gradcomm.compression.segments import Segments
 
 __all__ = ["DGC"]
 
 _BUFFERS = ("momentum", "accumulation")
+_DESCRIBE = "DGC: the buffers kept for {key} have shape"
 
 
-class DGC(Compressor, name="dgc", summary="Deep Gradient Compression: momentum-corrected top-k"):
+class DGC(SparseSegments, name="dgc", summary="Deep Gradient Compression: momentum-corrected top-k"):
     """Send the ``ceil(ratio * numel)`` (at least one) largest coordinates of each tensor's accumulated
-    momentum-corrected gradient; see the module docstring.
+    momentum-corrected gradient; see the module docstring. A bucket's buffers are kept as one flat tensor each
+    (per-parameter views in :meth:`state_dict`).
 
     Args:
         ratio: fraction of each tensor's coordinates sent per step, in (0, 1]; DGC's final density is 0.001.
@@ -77,8 +82,8 @@ class DGC(Compressor, name="dgc", summary="Deep Gradient Compression: momentum-c
             raise ValueError(f"DGC: momentum must be a number in [0, 1), got {momentum!r}")
         self.ratio = ratio
         self.momentum = momentum
-        self._momentum: dict[Hashable, torch.Tensor] = {}
-        self._accumulation: dict[Hashable, torch.Tensor] = {}
+        self._momentum = ResidualMemory(_DESCRIBE)
+        self._accumulation = ResidualMemory(_DESCRIBE)
 
     def k(self, numel: int) -> int:
         """Number of coordinates sent of a tensor of ``numel`` elements."""
@@ -94,51 +99,22 @@ class DGC(Compressor, name="dgc", summary="Deep Gradient Compression: momentum-c
         finally:
             _STREAM_KEY.reset(token)
 
-    def compress(self, tensor: torch.Tensor) -> tuple[Payload, TensorSpec]:
-        flat = tensor.reshape(-1)
-        k = self.k(flat.numel())
-        indices_dtype = index_dtype(flat.numel())
-        if tensor.device.type == "meta":  # the hook's size probe: shapes only, no state created or touched
-            return [flat[:k], torch.empty(k, dtype=indices_dtype, device="meta")], TensorSpec.of(tensor)
-        key = _STREAM_KEY.get()
-        u, v = self._buffers(key, tensor)
+    def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, torch.Tensor]:
+        u = self._momentum.held_segments(segments, flat)
+        v = self._accumulation.held_segments(segments, flat)
         # New tensors every step, never changed once stored: an earlier state_dict() keeps its values.
-        u = flat.clone() if self.momentum == 0 else (u.reshape(-1) * self.momentum).add_(flat)
-        v = v.reshape(-1) + u
-        indices = top_magnitudes(v, k)
-        values = v[indices]
-        u.index_fill_(0, indices, 0)
-        v.index_fill_(0, indices, 0)
-        self._momentum[key] = u.view(tensor.shape)
-        self._accumulation[key] = v.view(tensor.shape)
-        return [values, indices.to(indices_dtype)], TensorSpec.of(tensor)
-
-    def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
-        values, indices = payload
-        return sparse_to_dense(values, indices, ctx.numel, ctx.dtype).view(ctx.shape)
-
-    def aggregate(self, gathered: Payload, ctx: TensorSpec, out: torch.Tensor | None = None) -> torch.Tensor:
-        values, indices = gathered
-        return sparse_mean(values, indices, ctx.numel, ctx.dtype, out).view(ctx.shape)
-
-    def _buffers(self, key: Hashable, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``key``'s momentum and accumulation (zeros at first), on ``tensor``'s device and in its dtype."""
-        u, v = self._momentum.get(key), self._accumulation.get(key)
-        if u is None or v is None:
-            zeros = torch.zeros_like(tensor, memory_format=torch.contiguous_format)
-            return zeros, zeros
-        for buffer in (u, v):
-            if buffer.shape != tensor.shape:
-                raise ValueError(
-                    f"DGC: the buffers kept for {key!r} have shape {tuple(buffer.shape)}, but the tensor now "
-                    f"under that key has shape {tuple(tensor.shape)} (a checkpoint of another model?)"
-                )
-        return u.to(tensor.device, tensor.dtype), v.to(tensor.device, tensor.dtype)
+        u = flat.clone() if self.momentum == 0 or u is None else (u * self.momentum).add_(flat)
+        v = u.clone() if v is None else v + u
+        indices = segment_topk(v, self.budget(segments))
+        payload = self.payload(v, indices, segments)
+        self._momentum.store_segments(segments, u.index_fill_(0, indices, 0))
+        self._accumulation.store_segments(segments, v.index_fill_(0, indices, 0))
+        return payload, indices
 
     # -- checkpointing -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """``{"momentum": {key: u}, "accumulation": {key: v}}``: tensors keyed by the hook's tensor keys."""
-        return {"momentum": dict(self._momentum), "accumulation": dict(self._accumulation)}
+        return {"momentum": self._momentum.residuals, "accumulation": self._accumulation.residuals}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if set(state) != set(_BUFFERS):
@@ -153,4 +129,5 @@ class DGC(Compressor, name="dgc", summary="Deep Gradient Compression: momentum-c
             u, v = momentum[key], accumulation[key]
             if not isinstance(u, torch.Tensor) or not isinstance(v, torch.Tensor) or u.shape != v.shape:
                 raise ValueError(f"DGC: the state of {key!r} must be two tensors of one shape")
-        self._momentum, self._accumulation = momentum, accumulation
+        self._momentum.load_state_dict(momentum)
+        self._accumulation.load_state_dict(accumulation)

@@ -11,27 +11,43 @@ all-gathered and traffic grows with the world size. Zeros are sent as ``+scale``
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from gradcomm.compression._numerics import decode_bits, pack_signs, safe_mean_abs, sign_values, work_dtype
-from gradcomm.compression.base import Compressor, ErrorFeedback, Payload, TensorSpec
+from gradcomm.compression._numerics import sign_values, work_dtype
+from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedCompressor
 from gradcomm.compression.communicators import ALLGATHER
+from gradcomm.compression.segments import (
+    Segments,
+    as_dtype,
+    decode_segments,
+    pack_segments,
+    packed_lengths,
+    segment_mean_abs,
+)
 
 __all__ = ["EFSignSGD"]
 
 
-class EFSignSGD(Compressor, name="efsign", summary="scaled sign with error feedback (EF-SignSGD)"):
-    """Scaled sign: one bit per coordinate and the tensor's mean magnitude."""
+class EFSignSGD(SegmentedCompressor, name="efsign", summary="scaled sign with error feedback (EF-SignSGD)"):
+    """Scaled sign: one bit per coordinate and each tensor's mean magnitude. Payload of a bucket: every
+    tensor's signs (packed as for that tensor alone), back to back, then one scale per tensor."""
 
     communicator = ALLGATHER
     error_feedback = ErrorFeedback.REQUIRED
 
-    def compress(self, tensor: torch.Tensor) -> tuple[Payload, TensorSpec]:
-        flat = tensor.reshape(-1)
-        scale = safe_mean_abs(flat.to(work_dtype(flat.dtype))).reshape(1)
-        return [pack_signs(flat), scale], TensorSpec.of(tensor)
+    def payload_layout(self, lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
+        return [(sum(packed_lengths(lengths, 1)), torch.uint8), (len(lengths), work_dtype(dtype))]
 
-    def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
-        bits, scale = payload
-        values = (sign_values(scale.dtype, scale.device) * scale).to(ctx.dtype)
-        return decode_bits(bits, 1, ctx.numel, values).view(ctx.shape)
+    def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
+        scales = segment_mean_abs(as_dtype(flat, work_dtype(flat.dtype)), segments)
+        not_negative = torch.ge(flat, 0, out=torch.empty(flat.shape, dtype=torch.int8, device=flat.device))
+        return [pack_segments(not_negative.view(torch.uint8), segments, 1), scales], None
+
+    def decompress_segments(
+        self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        bits, scales = payload
+        tables = as_dtype(sign_values(scales.dtype, scales.device) * scales.unsqueeze(1), segments.dtype)
+        return decode_segments(bits, segments, 1, tables)

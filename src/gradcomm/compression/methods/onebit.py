@@ -18,26 +18,42 @@ compresses gradients, so any warm-up is the caller's (register the hook after it
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from gradcomm.compression._numerics import decode_bits, pack_signs, safe_rms, sign_values, work_dtype
-from gradcomm.compression.base import ErrorFeedback, Payload, RowwiseCompressor
+from gradcomm.compression._numerics import sign_values, work_dtype
+from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedRowwiseCompressor
 from gradcomm.compression.communicators import TwoStageAllreduce
+from gradcomm.compression.segments import (
+    Segments,
+    as_dtype,
+    decode_segments,
+    pack_segments,
+    packed_lengths,
+    segment_rms,
+)
 
 __all__ = ["OneBit"]
 
 
-class OneBit(RowwiseCompressor, name="onebit", summary="two-stage error-compensated 1-bit allreduce"):
-    """Signs with one RMS scale per row."""
+class OneBit(SegmentedRowwiseCompressor, name="onebit", summary="two-stage error-compensated 1-bit allreduce"):
+    """Signs with one RMS scale per row (per chunk of a tensor: a segment)."""
 
     communicator = TwoStageAllreduce(server_error_feedback=True)
     error_feedback = ErrorFeedback.REQUIRED
 
-    def compress_rows(self, rows: torch.Tensor) -> tuple[Payload, tuple[int, torch.dtype]]:
-        scale = safe_rms(rows.to(work_dtype(rows.dtype)), dim=1)
-        return [pack_signs(rows), scale], (rows.shape[1], rows.dtype)
+    def payload_layout(self, lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
+        return [(sum(packed_lengths(lengths, 1)), torch.uint8), (len(lengths), work_dtype(dtype))]
 
-    def decompress_rows(self, payload: Payload, ctx: tuple[int, torch.dtype]) -> torch.Tensor:
-        bits, scale = payload
-        length, dtype = ctx
-        return decode_bits(bits, 1, length, (sign_values(scale.dtype, scale.device) * scale).to(dtype))
+    def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
+        scales = segment_rms(as_dtype(flat, work_dtype(flat.dtype)), segments)
+        not_negative = torch.ge(flat, 0, out=torch.empty(flat.shape, dtype=torch.int8, device=flat.device))
+        return [pack_segments(not_negative.view(torch.uint8), segments, 1), scales], None
+
+    def decompress_segments(
+        self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        bits, scales = payload
+        tables = as_dtype(sign_values(scales.dtype, scales.device) * scales.unsqueeze(1), segments.dtype)
+        return decode_segments(bits, segments, 1, tables)

@@ -25,19 +25,21 @@ step.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
-from gradcomm.compression._numerics import (
-    add_rounding_noise_,
-    decode_bits,
-    nonzero_or_one,
-    pack_bits,
-    unpack_bits,
-    work_dtype,
-)
-from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompressor, TensorSpec
+from gradcomm.compression._numerics import NOISE_SCALE, as_uint8, nonzero_or_one, work_dtype
+from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompressor, SegmentedCompressor
 from gradcomm.compression.communicators import ALLGATHER
+from gradcomm.compression.segment_noise import segment_noise
+from gradcomm.compression.segments import (
+    Segments,
+    as_dtype,
+    decode_segments,
+    pack_segments,
+    packed_lengths,
+)
 
 __all__ = ["QSGD"]
 
@@ -50,8 +52,10 @@ def _fractions(levels: int, bits: int, dtype: torch.dtype, device: torch.device)
     return (torch.arange(2**bits, dtype=dtype, device=device) - levels) / levels
 
 
-class QSGD(RandomizedCompressor, name="qsgd", summary="QSGD stochastic quantization (unbiased)"):
-    """Unbiased stochastic quantization to ``levels`` levels per sign, with one norm per bucket."""
+class QSGD(RandomizedCompressor, SegmentedCompressor, name="qsgd", summary="QSGD stochastic quantization (unbiased)"):
+    """Unbiased stochastic quantization to ``levels`` levels per sign, with one norm per bucket of
+    ``bucket_size`` coordinates (each tensor zero padded to whole buckets). Payload of a segmented bucket: every
+    tensor's codes (packed as for that tensor alone), back to back, then every tensor's norms."""
 
     communicator = ALLGATHER
     error_feedback = ErrorFeedback.OPTIONAL
@@ -69,28 +73,35 @@ class QSGD(RandomizedCompressor, name="qsgd", summary="QSGD stochastic quantizat
         self.bucket_size = bucket_size
         self._bits = (2 * levels).bit_length()  # codes 0..2 * levels: ceil(log2(2 * levels + 1)) bits
 
-    def compress(self, tensor: torch.Tensor) -> tuple[Payload, TensorSpec]:
-        flat = tensor.reshape(-1).to(work_dtype(tensor.dtype))
-        padding = -flat.numel() % self.bucket_size
-        buckets = (torch.nn.functional.pad(flat, (0, padding)) if padding else flat).view(-1, self.bucket_size)
+    def payload_layout(self, lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
+        padded = [-(-n // self.bucket_size) * self.bucket_size for n in lengths]
+        return [
+            (sum(packed_lengths(padded, self._bits)), torch.uint8),
+            (sum(padded) // self.bucket_size, work_dtype(dtype)),
+        ]
+
+    def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
+        padded = segments.padded(self.bucket_size)
+        buckets = padded.pad(as_dtype(flat, work_dtype(flat.dtype))).view(-1, self.bucket_size)
         # The norm as safe_norm computes it (peak * ||x / peak||), its parts reused: x / norm is
         # (x / peak) / ||x / peak||, and ||x / peak|| >= 1 (its peak element is +-1) or 0 (a bucket of zeros).
         peak = torch.maximum(buckets.amax(dim=1, keepdim=True), buckets.amin(dim=1, keepdim=True).neg_())
         relative = buckets / nonzero_or_one(peak)
         relative_norm = relative.norm(dim=1, keepdim=True)
-        norms = (peak * relative_norm).clamp_(max=torch.finfo(flat.dtype).max)
+        norms = (peak * relative_norm).clamp_(max=torch.finfo(buckets.dtype).max)
         scaled = relative.mul_(self.levels / nonzero_or_one(relative_norm))  # x / norm * levels, in [-levels, levels]
         # codes: levels + the level y rounded stochastically, in [0, 2 levels] (levels <= 127)
-        codes = add_rounding_noise_(scaled, self.levels, self.generator(flat.device))
-        return [pack_bits(codes.reshape(-1), self._bits), norms.reshape(-1)], TensorSpec.of(tensor)
+        noise = segment_noise(self.segment_seeds(segments), segments, self.bucket_size)
+        codes = scaled.view(-1).add_(noise, alpha=NOISE_SCALE).add_(self.levels + 0.5)
+        packed = pack_segments(as_uint8(codes, self._bits), padded.as_segments, self._bits)
+        return [packed, norms.reshape(-1)], None
 
-    def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
+    def decompress_segments(
+        self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         packed, norms = payload
-        length = norms.numel() * self.bucket_size
+        padded = segments.padded(self.bucket_size)
         fractions = _fractions(self.levels, self._bits, norms.dtype, norms.device)
-        if 8 % self._bits == 0:
-            values = decode_bits(packed, self._bits, length, fractions)
-        else:
-            values = fractions.index_select(0, unpack_bits(packed, self._bits, length).to(torch.int32))
+        values = decode_segments(packed, padded.as_segments, self._bits, fractions)
         values = values.view(-1, self.bucket_size).mul_(norms.unsqueeze(1))
-        return values.reshape(-1)[: ctx.numel].to(ctx.dtype).view(ctx.shape)
+        return as_dtype(padded.unpad(values.view(-1)), segments.dtype)

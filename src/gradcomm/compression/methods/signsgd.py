@@ -15,29 +15,40 @@ CPU, counted where they lie, packed (:func:`~gradcomm.compression._numerics.majo
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from gradcomm.compression._numerics import majority_signs, pack_signs, unpack_signs
-from gradcomm.compression.base import Compressor, ErrorFeedback, Payload, TensorSpec
+from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedCompressor
 from gradcomm.compression.communicators import ALLGATHER
+from gradcomm.compression.segments import Segments
 
 __all__ = ["SignSGD"]
 
 
-class SignSGD(Compressor, name="signsgd", summary="signSGD with majority vote"):
-    """One bit per coordinate; aggregated by majority vote."""
+class SignSGD(SegmentedCompressor, name="signsgd", summary="signSGD with majority vote"):
+    """One bit per coordinate; aggregated by majority vote. Elementwise: a bucket's signs are packed as one
+    stream, whatever its segments."""
 
     communicator = ALLGATHER
     error_feedback = ErrorFeedback.UNSUPPORTED
     elementwise = True
 
-    def compress(self, tensor: torch.Tensor) -> tuple[Payload, TensorSpec]:
-        return [pack_signs(tensor.reshape(-1))], TensorSpec.of(tensor)
+    def payload_layout(self, lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
+        return [(-(-sum(lengths) // 8), torch.uint8)]
 
-    def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
-        return unpack_signs(payload[0], ctx.numel, ctx.dtype).view(ctx.shape)
+    def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
+        return [pack_signs(flat)], None
 
-    def aggregate(self, gathered: Payload, ctx: TensorSpec, out: torch.Tensor | None = None) -> torch.Tensor:
+    def decompress_segments(
+        self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return unpack_signs(payload[0], segments.numel, segments.dtype)
+
+    def aggregate_segments(
+        self, gathered: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if gathered[0].shape[0] == 1:  # one rank: the vote is its signs
-            return self.decompress([gathered[0][0]], ctx)
-        return majority_signs(gathered[0], ctx.numel, ctx.dtype).view(ctx.shape)
+            return self.decompress_segments([gathered[0][0]], ctx, segments)
+        return majority_signs(gathered[0], segments.numel, segments.dtype)

@@ -19,19 +19,23 @@ the same whatever order the tensors are compressed in. The noise has 16 bits
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
-from gradcomm.compression._numerics import (
-    add_rounding_noise_,
-    decode_bits,
-    nonzero_or_one,
-    pack_bits,
-    safe_std,
-    work_dtype,
-)
-from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompressor, TensorSpec
+from gradcomm.compression._numerics import NOISE_SCALE, as_uint8, nonzero_or_one, work_dtype
+from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompressor, SegmentedCompressor
 from gradcomm.compression.communicators import ALLGATHER
+from gradcomm.compression.segment_noise import segment_noise
+from gradcomm.compression.segments import (
+    Segments,
+    as_dtype,
+    decode_segments,
+    pack_segments,
+    packed_lengths,
+    segment_reduce,
+    segment_std,
+)
 
 __all__ = ["TernGrad"]
 
@@ -43,8 +47,11 @@ def _ternary(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.arange(4, dtype=dtype, device=device) - 1
 
 
-class TernGrad(RandomizedCompressor, name="terngrad", summary="TernGrad ternary quantization"):
-    """Unbiased ternary gradients with one scale per tensor (optionally clipped first)."""
+class TernGrad(
+    RandomizedCompressor, SegmentedCompressor, name="terngrad", summary="TernGrad ternary quantization"
+):
+    """Unbiased ternary gradients with one scale per tensor (optionally clipped first). Payload of a bucket:
+    every tensor's 2-bit codes (packed as for that tensor alone), back to back, then one scale per tensor."""
 
     communicator = ALLGATHER
     error_feedback = ErrorFeedback.OPTIONAL
@@ -55,22 +62,33 @@ class TernGrad(RandomizedCompressor, name="terngrad", summary="TernGrad ternary 
         super().__init__(seed)
         self.clip = clip
 
-    def compress(self, tensor: torch.Tensor) -> tuple[Payload, TensorSpec]:
-        flat = tensor.reshape(-1).to(work_dtype(tensor.dtype))
-        scale = torch.maximum(flat.amax(), flat.amin().neg_())
-        if self.clip is not None:
-            std = safe_std(flat, scale)
-            # a constant tensor is not clipped
-            scale = torch.where(std > 0, torch.minimum(self.clip * std, scale), scale)
-        fraction = flat / nonzero_or_one(scale)  # p = x / scale (a zero scale: all zeros, 0 / 1)
-        if self.clip is not None:
-            fraction.clamp_(-1, 1)  # clipping x to +-scale
-        # codes 0, 1, 2 for -scale, 0, +scale: 1 + p rounded stochastically (for p >= 0, 1 with chance p, else
-        # 0; for p < 0, -1 with chance |p|, else 0)
-        codes = add_rounding_noise_(fraction, 1, self.generator(flat.device))
-        return [pack_bits(codes, 2), scale.reshape(1)], TensorSpec.of(tensor)
+    def payload_layout(self, lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
+        return [(sum(packed_lengths(lengths, 2)), torch.uint8), (len(lengths), work_dtype(dtype))]
 
-    def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
-        packed, scale = payload
-        values = (_ternary(scale.dtype, scale.device) * scale).to(ctx.dtype)
-        return decode_bits(packed, 2, ctx.numel, values).view(ctx.shape)
+    def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
+        work = as_dtype(flat, work_dtype(flat.dtype))
+        scales = segment_reduce(work.abs(), "max", segments)
+        if self.clip is not None:
+            std = segment_std(work, segments, scales)
+            # a constant tensor is not clipped
+            scales = torch.where(std > 0, torch.minimum(self.clip * std, scales), scales)
+        # p = x / scale (a zero scale: all zeros), clipped to +-1 (x to +-scale)
+        clip = self.clip is not None
+        fraction = segments.groups.rowwise(
+            lambda rows, scale: (rows / scale).clamp_(-1, 1) if clip else rows / scale,
+            [work],
+            [nonzero_or_one(scales)],
+            torch.empty_like(work),
+        )
+        # codes 0, 1, 2 for -scale, 0, +scale: 1 + p rounded stochastically (for p >= 0, 1 with chance p, else
+        # 0; for p < 0, -1 with chance |p|, else 0); noise uniform on [-1/2, 1/2), plus 1/2, then truncated
+        noise = segment_noise(self.segment_seeds(segments), segments)
+        codes = fraction.add_(noise, alpha=NOISE_SCALE).add_(1.5)
+        return [pack_segments(as_uint8(codes, 2), segments, 2), scales], None
+
+    def decompress_segments(
+        self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        packed, scales = payload
+        tables = as_dtype(_ternary(scales.dtype, scales.device) * scales.unsqueeze(1), segments.dtype)
+        return decode_segments(packed, segments, 2, tables)

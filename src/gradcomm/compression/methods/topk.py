@@ -18,14 +18,67 @@ import math
 
 import torch
 
-from gradcomm.compression._numerics import index_dtype, sparse_mean, sparse_to_dense, top_magnitudes, zero_at
-from gradcomm.compression.base import Compressor, ErrorFeedback, Payload, TensorSpec
+from gradcomm.compression._numerics import index_dtype, zeros_in
+from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedCompressor
 from gradcomm.compression.communicators import ALLGATHER
+from gradcomm.compression.segment_sparse import Budget, segment_topk
+from gradcomm.compression.segments import Segments, as_dtype
 
 __all__ = ["TopK"]
 
 
-class TopK(Compressor, name="topk", summary="top-k sparsification, error feedback"):
+class SparseSegments(SegmentedCompressor):
+    """A method sending ``k(numel)`` values of each tensor with their indices within it (top-k, DGC): the
+    payload of a bucket is every tensor's values, back to back, then every tensor's indices."""
+
+    def k(self, numel: int) -> int:
+        raise NotImplementedError
+
+    def budget(self, segments: Segments) -> Budget:
+        return segments.budget([self.k(n) for n in segments.lengths])
+
+    def payload_layout(self, lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
+        total = sum(self.k(n) for n in lengths)
+        return [(total, dtype), (total, index_dtype(max(lengths)))]
+
+    def payload(self, flat: torch.Tensor, indices: torch.Tensor, segments: Segments) -> Payload:
+        """The values of ``flat`` at ``indices`` (into ``flat``), and the indices within their tensors."""
+        budget = self.budget(segments)
+        local = indices - budget.starts
+        return [flat.index_select(0, indices), as_dtype(local, index_dtype(max(segments.lengths)))]
+
+    def _indices(self, local: torch.Tensor, segments: Segments) -> torch.Tensor:
+        return as_dtype(local, torch.int64).add(self.budget(segments).starts)
+
+    def decompress_segments(
+        self, payload: Payload, ctx: torch.Tensor, segments: Segments, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        values, local = payload
+        dense = zeros_in(out, segments.numel, segments.dtype, values.device)
+        return dense.index_put_((self._indices(local, segments),), as_dtype(values, segments.dtype))
+
+    def aggregate_segments(
+        self, gathered: Payload, ctx: torch.Tensor, segments: Segments, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The mean over ranks, summed in rank order (indices are distinct within a rank: deterministic)."""
+        values, local = gathered
+        world_size = values.shape[0]
+        total = zeros_in(out, segments.numel, segments.dtype, values.device)
+        starts = self.budget(segments).starts
+        indices = as_dtype(local, torch.int64).add(starts)
+        for rank in range(world_size):
+            total.index_add_(0, indices[rank], values[rank] / world_size)
+        return total
+
+    def residual_segments(
+        self, corrected: torch.Tensor, payload: Payload, ctx: torch.Tensor, segments: Segments
+    ) -> torch.Tensor:
+        """``corrected`` with its sent coordinates zeroed in place: ``corrected - decompress(payload)`` for
+        finite values (a sent infinity or NaN leaves 0, where the subtraction leaves NaN)."""
+        return corrected.index_fill_(0, ctx, 0)
+
+
+class TopK(SparseSegments, name="topk", summary="top-k sparsification, error feedback"):
     """Keep the ``ceil(ratio * numel)`` (at least one) largest-magnitude coordinates of each tensor."""
 
     communicator = ALLGATHER
@@ -40,21 +93,6 @@ class TopK(Compressor, name="topk", summary="top-k sparsification, error feedbac
         """Number of coordinates kept of a tensor of ``numel`` elements."""
         return min(numel, max(1, math.ceil(self.ratio * numel)))
 
-    def compress(self, tensor: torch.Tensor) -> tuple[Payload, TensorSpec]:
-        flat = tensor.reshape(-1)
-        indices = top_magnitudes(flat, self.k(flat.numel()))
-        indices_dtype = index_dtype(flat.numel())
-        return [flat[indices], indices.to(indices_dtype)], TensorSpec.of(tensor)
-
-    def decompress(self, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
-        values, indices = payload
-        return sparse_to_dense(values, indices, ctx.numel, ctx.dtype).view(ctx.shape)
-
-    def residual(self, corrected: torch.Tensor, payload: Payload, ctx: TensorSpec) -> torch.Tensor:
-        """``corrected`` with its sent coordinates zeroed in place: ``corrected - decompress(payload)`` for
-        finite values (a sent infinity or NaN leaves 0, where the subtraction leaves NaN)."""
-        return zero_at(corrected, payload[1])
-
-    def aggregate(self, gathered: Payload, ctx: TensorSpec, out: torch.Tensor | None = None) -> torch.Tensor:
-        values, indices = gathered
-        return sparse_mean(values, indices, ctx.numel, ctx.dtype, out).view(ctx.shape)
+    def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, torch.Tensor]:
+        indices = segment_topk(flat, self.budget(segments))
+        return self.payload(flat, indices, segments), indices

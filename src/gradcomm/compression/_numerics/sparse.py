@@ -1,0 +1,147 @@
+"""Sparse payloads, values at indices (top-k, DGC, random-k): selection, scattering and their means.
+
+No host synchronisation on accelerators: the selections :func:`top_magnitudes` and :func:`random_subset` take
+their faster, data-dependent paths only on the CPU, where ``topk`` and ``randperm`` over a whole tensor for a
+few percent of it are slow.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "index_dtype",
+    "random_subset",
+    "sample_stride",
+    "sparse_mean",
+    "sparse_nonzero",
+    "sparse_to_dense",
+    "top_magnitudes",
+    "zero_at",
+    "zeros_in",
+]
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """The narrowest index dtype for a tensor of ``numel`` elements: int32, or int64 above 2**31 - 1."""
+    return torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
+
+
+_SAMPLE = 4096
+"""Magnitudes sampled by :func:`top_magnitudes` to estimate its threshold."""
+
+
+def sample_stride(numel: int) -> int:
+    """The stride of :func:`top_magnitudes`' sample of a flat tensor of ``numel`` elements: about ``numel /
+    4096``, and odd. Weights are row-major matrices whose rows are mostly powers of two long, and an even stride
+    visits a few columns of them only: where the gradient's magnitude differs by column (an MLP's output
+    projection: each column scaled by one hidden unit's activation), the threshold came out far too low (10x
+    the candidates needed, in the transformer workload's training). An odd stride visits every column."""
+    return (numel // _SAMPLE) | 1
+
+
+def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest ``|flat|`` (NaN counting as largest, as in ``torch.topk``), in no order.
+
+    The set is ``torch.topk``'s (up to the choice among equal magnitudes at the k-th place). On the CPU a
+    large tensor goes a faster way (a full ``topk`` is costly per element there): the magnitude at
+    the ``2k``-th place of an evenly strided sample of about 4096 (:func:`sample_stride`) estimates a
+    threshold, every element not below it is a candidate, and the top k of the candidates are the top k of all
+    when there are at least k of them (otherwise, rarely, the full ``topk`` runs). Where the threshold is 0
+    (a mostly zero tensor: an embedding's gradient, say), every element would be a candidate: the candidates
+    are the elements above it, and where fewer than k are, the first zeros make up the rest. The sample needs
+    no random draws, so ranks compute it alike; only the amount of work depends on the values, never the
+    result's size.
+    """
+    magnitudes = flat.abs()
+    stride = sample_stride(magnitudes.numel())
+    if flat.device.type != "cpu" or stride < 16 or k > magnitudes.numel() // 4:
+        return magnitudes.topk(k, sorted=False).indices
+    sample = magnitudes[::stride]
+    place = min(sample.numel(), -(-2 * k * sample.numel() // magnitudes.numel()) + 1)
+    # a Python number, not a 0-dim tensor: compared with one, into int8, the mask is written faster
+    threshold = sample.topk(place, sorted=True).values[-1].item()
+    mostly_zero = threshold == 0
+    below = (torch.le if mostly_zero else torch.lt)(
+        magnitudes, threshold, out=torch.empty(magnitudes.shape, dtype=torch.int8)
+    )
+    candidate = below.view(torch.bool).logical_not_()  # NaN is never below: a candidate
+    candidates = sparse_nonzero(candidate) if 64 * k <= magnitudes.numel() else candidate.nonzero().squeeze(1)
+    if candidates.numel() >= k:
+        return candidates[magnitudes[candidates].topk(k, sorted=False).indices]
+    if mostly_zero:  # every nonzero element, then zeros: the first k elements hold enough of them
+        zeros = candidate[:k].logical_not().nonzero().squeeze(1)[: k - candidates.numel()]
+        return torch.cat([candidates, zeros])
+    return magnitudes.topk(k, sorted=False).indices
+
+
+def sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """The indices of a flat boolean ``mask``'s true elements in ascending order, as ``mask.nonzero()``, faster
+    where they are few: ``nonzero`` first finds the 8-byte words holding any (a scan of an eighth of the
+    elements), then searches those words alone: faster at low densities, slower at high ones."""
+    length = mask.numel()
+    head = length - length % 8
+    if mask.storage_offset() % 8 or not mask.is_contiguous():
+        mask = mask.clone()
+    all_words = mask[:head].view(torch.int64)
+    words = all_words.nonzero().squeeze(1)
+    found = all_words[words].view(torch.uint8).view(-1, 8).nonzero()  # whole words: faster than rows of 8
+    indices = words[found[:, 0]].mul_(8).add_(found[:, 1])
+    if head == length:
+        return indices
+    return torch.cat([indices, mask[head:].nonzero().squeeze(1).add_(head)])
+
+
+def random_subset(numel: int, k: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """``k`` distinct indices of ``range(numel)``, a uniformly random subset in random order (as
+    ``randperm(numel)[:k]``, whose cost grows with ``numel`` however small ``k`` is).
+
+    On the CPU, for ``k`` up to a quarter of ``numel``: draws with replacement, and the first ``k`` distinct
+    draws in drawing order (sequential rejection sampling: each new index is uniform over those not drawn yet),
+    at a cost that grows with ``k``. The draws depend only on the generator, so ranks sharing a seed agree.
+    """
+    if device.type != "cpu" or 4 * k > numel:
+        return torch.randperm(numel, generator=generator, device=device)[:k]
+    draws = torch.empty(0, dtype=torch.int64, device=device)
+    while True:  # one round but for about one time in a million
+        more = torch.randint(numel, (k + k // 8 + 16,), generator=generator, device=device)
+        draws = torch.cat([draws, more])
+        distinct, which = torch.unique(draws, return_inverse=True)
+        if distinct.numel() >= k:
+            break
+    positions = torch.arange(draws.numel(), device=device)
+    first = torch.full_like(distinct, draws.numel()).scatter_reduce_(0, which, positions, "amin")
+    return distinct[first.argsort()[:k]]
+
+
+def zero_at(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with the elements at flat ``indices`` set to 0: in place (and returned) where it is
+    contiguous, else in a contiguous copy."""
+    tensor = tensor.contiguous()
+    return tensor.view(-1).index_fill_(0, indices.long(), 0).view(tensor.shape)
+
+
+def zeros_in(out: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``numel`` zeros of ``dtype``, flat: ``out`` zeroed where it is contiguous with that size and dtype (a
+    decoder's ``out``, the gradient's place in its bucket), else a new tensor."""
+    if out is not None and out.is_contiguous() and out.numel() == numel and out.dtype == dtype:
+        return out.view(-1).zero_()
+    return torch.zeros(numel, dtype=dtype, device=device)
+
+
+def sparse_to_dense(values: torch.Tensor, indices: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat tensor of ``numel`` zeros holding ``values`` at ``indices``."""
+    dense = torch.zeros(numel, dtype=dtype, device=values.device)
+    return dense.scatter_(0, indices.long(), values)
+
+
+def sparse_mean(
+    values: torch.Tensor, indices: torch.Tensor, numel: int, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The mean over ranks of sparse payloads gathered with a leading rank axis, summed in rank order; flat,
+    in ``out`` where given and contiguous (``numel`` elements of ``dtype``), else in a new tensor."""
+    world_size = values.shape[0]
+    total = zeros_in(out, numel, dtype, values.device)
+    for rank in range(world_size):  # indices are distinct within a rank: deterministic even with atomics
+        total.index_add_(0, indices[rank].long(), values[rank] / world_size)
+    return total

@@ -1,0 +1,101 @@
+"""Per-tensor budgets in a segmented bucket: ``k[s]`` elements of every segment (top-k, DGC, random-k).
+
+:func:`segment_topk` chooses every tensor's ``k`` largest magnitudes row-wise on strided runs of equal tensors
+(:class:`~gradcomm.compression.segments.Groups`), so its calls grow with the runs of equal shapes, not with
+the tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from gradcomm.compression._numerics import sample_stride, sparse_nonzero, top_magnitudes
+from gradcomm.compression.segments import Groups, Segments, _starts
+
+__all__ = ["Budget", "segment_topk"]
+
+
+class Budget:
+    """``k[s]`` elements chosen of each segment ``s``: their layout as segments of their own, and each
+    choice's segment start (to turn indices within a segment into indices of the flat tensor)."""
+
+    def __init__(self, segments: Segments, ks: Sequence[int]):
+        self.segments = segments
+        self.ks = tuple(ks)
+        self.chosen = segments.relaid(self.ks)
+        self.total = sum(self.ks)
+
+    @functools.cached_property
+    def starts(self) -> torch.Tensor:
+        """Each chosen element's segment start in the flat tensor (int64)."""
+        starts = torch.tensor(self.segments.starts, dtype=torch.int64, device=self.segments.device)
+        return self.chosen.expand(starts)
+
+    @functools.cached_property
+    def groups(self) -> Groups:
+        """The segments by length and budget, in strided runs (:class:`Groups`)."""
+        return Groups(self.segments, list(zip(self.segments.lengths, self.ks, strict=True)))
+
+    @functools.cached_property
+    def order(self) -> torch.Tensor | None:
+        """The order that puts the runs' choices back in segment order (``None``: they already are)."""
+        grouped = [position for _, positions, _ in self.groups.runs for position in positions]
+        if grouped == list(range(len(self.ks))):
+            return None
+        chosen_starts = _starts(self.ks)
+        order = [chosen_starts[position] + j for position in grouped for j in range(self.ks[position])]
+        inverse = [0] * len(order)
+        for place, element in enumerate(order):
+            inverse[element] = place
+        return torch.tensor(inverse, dtype=torch.int64, device=self.segments.device)
+
+
+def segment_topk(flat: torch.Tensor, budget: Budget) -> torch.Tensor:
+    """Indices (into ``flat``, int64) of the ``k[s]`` largest magnitudes of every segment ``s``, segment after
+    segment, each segment's in no order. Segments of one length and budget at one stride are chosen together
+    (row-wise on a strided view, :func:`_rows_topk`), so the calls grow with the number of runs of equal
+    shapes (:class:`Groups`), not of tensors; a segment alone goes
+    :func:`~gradcomm.compression._numerics.top_magnitudes`' way (the same set as ``torch.topk``'s)."""
+    groups = budget.groups
+    found = []
+    flat = flat.contiguous()
+    for (length, positions, _), rows in zip(groups.runs, groups.rows(flat), strict=True):
+        k = budget.ks[positions[0]]
+        start = budget.segments.starts[positions[0]]
+        if len(positions) == 1:
+            found.append(top_magnitudes(flat[start : start + length], k).add_(start))
+            continue
+        columns = _rows_topk(rows.abs(), k)
+        found.append(columns.add_(groups.run_starts(positions)).view(-1))
+    indices = found[0] if len(found) == 1 else torch.cat(found)
+    return indices if budget.order is None else indices.index_select(0, budget.order)
+
+
+def _rows_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
+    """Columns of the ``k`` largest of every row of a 2-D tensor of magnitudes (as ``topk(k, dim=1)``'s, up to
+    ties). On the CPU, for long rows and small ``k``, top_magnitudes' way for all rows at once: a threshold per
+    row from a strided sample, the candidates at or above it (few) packed into a small matrix, and the top
+    ``k`` of that; where a row has fewer than ``k`` candidates, or thresholds are 0, the plain ``topk``."""
+    count, length = magnitudes.shape
+    stride = sample_stride(length)
+    if magnitudes.device.type != "cpu" or stride < 16 or k > length // 4:
+        return magnitudes.topk(k, dim=1, sorted=False).indices
+    sample = magnitudes[:, ::stride]
+    place = min(sample.shape[1], -(-2 * k * sample.shape[1] // length) + 1)
+    thresholds = sample.topk(place, dim=1, sorted=True).values[:, -1:]
+    candidate = (magnitudes < thresholds).logical_not_()  # NaN is never below: a candidate
+    per_row = candidate.sum(dim=1)
+    if bool(((per_row < k) | (thresholds.squeeze(1) == 0)).any()):
+        return magnitudes.topk(k, dim=1, sorted=False).indices
+    found = sparse_nonzero(candidate.view(-1)) if 64 * k <= length else candidate.view(-1).nonzero().squeeze(1)
+    row, column = found.div(length, rounding_mode="floor"), found.remainder(length)
+    width = int(per_row.max())
+    within = torch.arange(row.numel(), device=row.device) - (per_row.cumsum(0) - per_row).repeat_interleave(per_row)
+    packed = magnitudes.new_full((count, width), -1.0).index_put_((row, within), magnitudes[row, column])
+    columns = column.new_zeros((count, width)).index_put_((row, within), column)
+    return columns.gather(1, packed.topk(k, dim=1, sorted=False).indices)
+
+

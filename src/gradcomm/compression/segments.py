@@ -1,0 +1,440 @@
+"""A segmented bucket: the tensors a hook compresses, back to back in one flat tensor, with their lengths and keys.
+
+A compressor that works on a :class:`Segments` layout encodes a whole bucket at once while keeping each
+tensor's own statistics (scales, norms, maxima, budgets, random draws): per-tensor values come from
+segmented operations (``torch.segment_reduce``, a gather by segment index), so the number of torch calls per
+bucket does not grow with its number of tensors (budgets and top-k: :mod:`~gradcomm.compression.segment_sparse`;
+random bits: :mod:`~gradcomm.compression.segment_noise`). The index tensors these need (each element's segment, its
+place in a layout where every segment is padded to a multiple, each packed byte's segment) are computed
+once per layout and kept on the :class:`Segments` object, which the hook keeps per bucket layout.
+
+Helpers here are what several methods share: per-segment reductions and their broadcast back to elements
+(:func:`segment_reduce`, :meth:`Segments.expand`), bit packing whose bytes are those of packing every tensor
+on its own (:func:`pack_segments`, :func:`decode_segments`), and random bits keyed by segment
+(:func:`segment_noise`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from gradcomm.compression._numerics import (
+    decode_bits,
+    gather_rows,
+    nonzero_or_one,
+    pack_bits,
+    unpack_bits,
+)
+from gradcomm.compression._numerics.reductions import _plain_is_exact
+
+__all__ = [
+    "Groups",
+    "Segments",
+    "as_dtype",
+    "decode_segments",
+    "pack_segments",
+    "packed_lengths",
+    "segment_mean_abs",
+    "segment_reduce",
+    "segment_rms",
+    "segment_std",
+]
+
+if TYPE_CHECKING:
+    from gradcomm.compression.segment_sparse import Budget
+
+
+@dataclass(frozen=True, eq=False)
+class Segments:
+    """The layout of a flat tensor holding several tensors back to back: their lengths, keys and shapes.
+
+    Equal layouts compare by identity (the hook keeps one object per bucket layout, with its index tensors)."""
+
+    lengths: tuple[int, ...]
+    keys: tuple[Hashable, ...]
+    shapes: tuple[torch.Size, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor], keys: Sequence[Hashable]) -> Segments:
+        """The layout of ``tensors`` concatenated (all of one dtype and device)."""
+        return cls(
+            tuple(t.numel() for t in tensors),
+            tuple(keys),
+            tuple(t.shape for t in tensors),
+            tensors[0].dtype,
+            tensors[0].device,
+        )
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @functools.cached_property
+    def numel(self) -> int:
+        return sum(self.lengths)
+
+    @functools.cached_property
+    def starts(self) -> tuple[int, ...]:
+        """Where each segment begins in the flat tensor."""
+        return tuple(_starts(self.lengths))
+
+    @functools.cached_property
+    def lengths_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.lengths, dtype=torch.int64, device=self.device)
+
+    @functools.cached_property
+    def ids(self) -> torch.Tensor:
+        """Each element's segment (int64)."""
+        return _ids(self.lengths, self.device)
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        """Each element's place within its segment (int64)."""
+        starts = torch.tensor(self.starts, dtype=torch.int64, device=self.device)
+        return torch.arange(self.numel, device=self.device).sub_(starts.index_select(0, self.ids))
+
+    def expand(self, per_segment: torch.Tensor) -> torch.Tensor:
+        """One value per segment broadcast to its elements (``per_segment`` flat, of ``len(self)`` values)."""
+        if len(self) == 1:
+            return per_segment.reshape(1).expand(self.numel)
+        groups = self.groups
+        if len(groups.runs) > _MAX_RUNS:
+            return per_segment.index_select(0, self.ids)
+        out = per_segment.new_empty(self.numel)
+        for rows, values in zip(groups.rows(out), groups.per_run(per_segment), strict=True):
+            rows.copy_(values.unsqueeze(1).expand(rows.shape))
+        return out
+
+    def relaid(self, lengths: Sequence[int]) -> Segments:
+        """The same segments with other lengths (a padded layout's), cached per lengths."""
+        cache = self.__dict__.setdefault("_relaid", {})
+        key = tuple(lengths)
+        if key not in cache:
+            cache[key] = Segments(key, self.keys, self.shapes, self.dtype, self.device)
+        return cache[key]
+
+    @functools.cached_property
+    def groups(self) -> Groups:
+        """The segments by length, as strided views of the flat tensor where they can be (cached)."""
+        return Groups(self, self.lengths)
+
+    def budget(self, ks: Sequence[int]) -> Budget:
+        """``ks[s]`` elements chosen of each segment (cached per budget)."""
+        from gradcomm.compression.segment_sparse import Budget
+
+        cache = self.__dict__.setdefault("_budgets", {})
+        key = tuple(ks)
+        if key not in cache:
+            cache[key] = Budget(self, key)
+        return cache[key]
+
+    def padded(self, multiple: int) -> Padded:
+        """This layout with every segment padded to a multiple of ``multiple`` elements (cached)."""
+        cache = self.__dict__.setdefault("_padded", {})
+        if multiple not in cache:
+            cache[multiple] = Padded(self, multiple)
+        return cache[multiple]
+
+
+class Padded:
+    """A :class:`Segments` layout with each segment padded (at its end) to a multiple of ``multiple``."""
+
+    def __init__(self, segments: Segments, multiple: int):
+        self.segments = segments
+        self.multiple = multiple
+        self.lengths = tuple(-(-n // multiple) * multiple for n in segments.lengths)
+        self.numel = sum(self.lengths)
+        self.aligned = self.lengths == segments.lengths
+        self._index: torch.Tensor | None = None
+
+    @property
+    def index(self) -> torch.Tensor:
+        """Each element's place in the padded layout (only where it is not aligned)."""
+        if self._index is None:
+            self._index = _placement(self.segments.lengths, self.lengths, self.segments.device)
+        return self._index
+
+    def pad(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` in the padded layout, zeros in the padding (``flat`` itself where aligned)."""
+        if self.aligned:
+            return flat
+        return flat.new_zeros(self.numel).index_copy_(0, self.index, flat)
+
+    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
+        """The elements of a padded layout, without the padding."""
+        if self.aligned:
+            return padded[: self.segments.numel]
+        return padded.index_select(0, self.index)
+
+    @functools.cached_property
+    def ids(self) -> torch.Tensor:
+        """Each padded element's segment."""
+        return _ids(self.lengths, self.segments.device)
+
+    @functools.cached_property
+    def as_segments(self) -> Segments:
+        """The padded layout as segments of its own."""
+        return self.segments.relaid(self.lengths)
+
+
+def _starts(lengths: Sequence[int]) -> list[int]:
+    starts, total = [], 0
+    for length in lengths:
+        starts.append(total)
+        total += length
+    return starts
+
+
+def _placement(lengths: Sequence[int], wider: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Where each element of segments of ``lengths`` lies when segment ``s`` starts a segment of ``wider[s]``
+    elements."""
+    shifts = [w - n for w, n in zip(_starts(wider), _starts(lengths), strict=True)]
+    ids = _ids(lengths, device)
+    return torch.arange(len(ids), device=device).add_(
+        torch.tensor(shifts, dtype=torch.int64, device=device).index_select(0, ids)
+    )
+
+
+def _ids(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    counts = torch.tensor(lengths, dtype=torch.int64, device=device)
+    return torch.arange(len(lengths), device=device).repeat_interleave(counts, output_size=sum(lengths))
+
+
+_MAX_RUNS = 16
+"""Up to this many runs, a per-segment value is broadcast run by run; beyond, by one gather by segment."""
+
+
+class Groups:
+    """Segments of one length (and budget, for :class:`Budget`), in runs at one stride in the flat tensor: a
+    run is a ``(count, length)`` strided view (a layer repeated in every block of a model lies at one stride),
+    so per-segment reductions and selections are row-wise ones on views, a few calls per run, and the runs
+    grow with the number of distinct shapes (and their arrangement), not of tensors."""
+
+    def __init__(self, segments: Segments, classes: Sequence[Hashable]):
+        self.segments = segments
+        members: dict[Hashable, list[int]] = {}
+        for position, cls in enumerate(classes):
+            members.setdefault(cls, []).append(position)
+        self.runs: list[tuple[int, list[int], int]] = []  # (length, positions, stride)
+        for positions in members.values():
+            length = segments.lengths[positions[0]]
+            self.runs.extend((length, run, stride) for run, stride in _arithmetic_runs(positions, segments.starts, length))
+        grouped = [position for _, positions, _ in self.runs for position in positions]
+        self.order: torch.Tensor | None = None
+        if grouped != list(range(len(segments))):
+            inverse = [0] * len(grouped)
+            for place, position in enumerate(grouped):
+                inverse[position] = place
+            self.order = torch.tensor(inverse, dtype=torch.int64, device=segments.device)
+
+    def rows(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each run of ``flat`` (laid out as the segments) as a ``(count, length)`` view."""
+        offset = flat.storage_offset()
+        return [
+            flat.as_strided((len(positions), length), (stride, 1), offset + self.segments.starts[positions[0]])
+            for length, positions, stride in self.runs
+        ]
+
+    @functools.cached_property
+    def _run_positions(self) -> list[torch.Tensor]:
+        device = self.segments.device
+        return [torch.tensor(positions, dtype=torch.int64, device=device) for _, positions, _ in self.runs]
+
+    def run_starts(self, positions: list[int]) -> torch.Tensor:
+        """The starts of a run's segments, as a column (cached)."""
+        cache = self.__dict__.setdefault("_run_starts", {})
+        key = tuple(positions)
+        if key not in cache:
+            starts = [self.segments.starts[p] for p in positions]
+            cache[key] = torch.tensor(starts, dtype=torch.int64, device=self.segments.device).unsqueeze(1)
+        return cache[key]
+
+    def per_run(self, per_segment: torch.Tensor) -> list[torch.Tensor]:
+        """One value per segment, split by run."""
+        if len(self.runs) == 1 and self.order is None:
+            return [per_segment]
+        return [per_segment.index_select(0, positions) for positions in self._run_positions]
+
+    def rowwise(
+        self,
+        fn: Callable[..., torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        per_segment: Sequence[torch.Tensor],
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """``out`` (flat, laid out as the segments) holding ``fn(*rows, *columns)`` run by run: ``rows``, each
+        flat input's ``(count, length)`` view of the run, ``columns``, each per-segment value of the run's
+        segments as a ``(count, 1)`` column, so that ``fn`` broadcasts as row-wise code does (no per-element
+        copy of a per-segment value). Beyond :data:`_MAX_RUNS` runs, one call on the whole tensor as one row
+        with the values expanded to it."""
+        if len(self.runs) > _MAX_RUNS:
+            columns = [self.segments.expand(v).unsqueeze(0) for v in per_segment]
+            out.view(1, -1).copy_(fn(*(x.view(1, -1) for x in inputs), *columns))
+            return out
+        columns = [self.per_run(v) for v in per_segment]
+        views = [self.rows(x.contiguous()) for x in inputs]
+        for index, rows_out in enumerate(self.rows(out)):
+            rows_out.copy_(fn(*(v[index] for v in views), *(c[index].unsqueeze(1) for c in columns)))
+        return out
+
+    def in_order(self, per_run: list[torch.Tensor]) -> torch.Tensor:
+        """Per-segment results of the runs (one flat tensor per run), in segment order."""
+        joined = per_run[0] if len(per_run) == 1 else torch.cat(per_run)
+        return joined if self.order is None else joined.index_select(0, self.order)
+
+
+def _arithmetic_runs(positions: list[int], starts: Sequence[int], length: int) -> list[tuple[list[int], int]]:
+    """``positions`` split into runs whose starts are evenly spaced, at least ``length`` apart (greedily)."""
+    left = list(positions)
+    runs = []
+    while left:
+        first = left.pop(0)
+        run, stride = [first], length
+        if left:
+            stride = starts[left[0]] - starts[first]
+            by_start = {starts[p]: p for p in left}
+            nxt = starts[first] + stride
+            while stride >= length and nxt in by_start:
+                run.append(by_start.pop(nxt))
+                nxt += stride
+            left = [p for p in left if p not in run]
+            if len(run) == 1:
+                stride = length
+        runs.append((run, stride))
+    return runs
+
+
+_REDUCTIONS = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}
+
+
+def segment_reduce(values: torch.Tensor, reduce: str, segments: Segments) -> torch.Tensor:
+    """One ``reduce`` (``"sum"``, ``"mean"``, ``"max"``, ``"min"``) per segment of flat ``values``: row-wise
+    reductions of strided views, one per run of equal segments (:class:`Groups`); a single segment is
+    reduced by the plain reduction (the same bits as before segments)."""
+    function = _REDUCTIONS[reduce]
+    if len(segments) == 1:
+        return function(values).reshape(1)
+    groups = segments.groups
+    return groups.in_order([function(rows, dim=1) for rows in groups.rows(values.contiguous())])
+
+
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``: itself where it is already (no operator at all, where ``.to`` is one)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _expanded(per_segment: torch.Tensor, segments: Segments) -> torch.Tensor:
+    return segments.expand(per_segment.reshape(-1))
+
+
+def segment_mean_abs(x: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """Each segment's mean magnitude without overflow, as ``safe_mean_abs`` for one tensor: on the CPU the
+    plain means first (kept unless one overflowed or came near underflow), else means of magnitudes divided
+    by their segment's peak."""
+    magnitude = x.abs()
+    if x.device.type == "cpu":
+        mean = segment_reduce(magnitude, "mean", segments)
+        if _plain_is_exact(mean):
+            return mean
+    peak = segment_reduce(magnitude, "max", segments)
+    return peak * segment_reduce(magnitude.div_(_expanded(nonzero_or_one(peak), segments)), "mean", segments)
+
+
+def segment_rms(x: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """Each segment's root mean square without overflow or underflow, as ``safe_rms`` for one tensor."""
+    if x.device.type == "cpu":
+        mean_square = segment_reduce(torch.mul(x, x), "mean", segments)
+        if _plain_is_exact(mean_square):
+            return mean_square.sqrt_()
+    magnitude = x.abs()
+    peak = segment_reduce(magnitude, "max", segments)
+    scaled = magnitude.div_(_expanded(nonzero_or_one(peak), segments))
+    return peak * segment_reduce(scaled.mul_(scaled), "mean", segments).sqrt()
+
+
+def segment_std(x: torch.Tensor, segments: Segments, peak: torch.Tensor) -> torch.Tensor:
+    """Each segment's population standard deviation without overflow, as ``safe_std`` (``peak``: each
+    segment's largest magnitude)."""
+    groups = segments.groups
+    scaled = groups.rowwise(torch.div, [x], [nonzero_or_one(peak)], torch.empty_like(x))
+    mean = segment_reduce(scaled, "mean", segments)
+    centred = groups.rowwise(lambda rows, m: (rows - m).square_(), [scaled], [mean], scaled)
+    return peak * segment_reduce(centred, "mean", segments).sqrt()
+
+
+# -- bit packing by segment: the bytes of packing every tensor on its own, back to back -----------------------
+def packed_lengths(lengths: Sequence[int], bits: int) -> tuple[int, ...]:
+    """Bytes of each segment's codes packed at ``bits`` bits (:func:`~gradcomm.compression._numerics.pack_bits`)."""
+    return tuple(-(-n * bits // 8) for n in lengths)
+
+
+def pack_segments(codes: torch.Tensor, segments: Segments, bits: int) -> torch.Tensor:
+    """Codes (``< 2**bits``, ``bits`` dividing 8) of every segment packed as ``pack_bits`` packs one tensor,
+    the segments' bytes back to back: one packing of the whole bucket, each segment padded to whole bytes."""
+    if bits == 8:
+        return codes
+    padded = segments.padded(8)
+    packed = pack_bits(padded.pad(codes), bits)
+    if padded.aligned:
+        return packed
+    return packed.index_select(0, _kept_bytes(segments, bits))
+
+
+def decode_segments(packed: torch.Tensor, segments: Segments, bits: int, tables: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_segments`, each code replaced by its value: ``tables[segment, code]`` with one
+    row of ``2**bits`` values per segment (or one row for all). A lookup per byte, as ``decode_bits``."""
+    if bits == 8:  # a byte is a code, and segments are not padded
+        if tables.dim() == 2 and tables.shape[0] > 1:
+            return _decode_by_segment(packed, 8, tables, segments.ids)
+        return decode_bits(packed, 8, segments.numel, tables.reshape(-1))
+    padded = segments.padded(8)
+    if not padded.aligned:  # each segment's bytes at a multiple of 8 codes
+        bytes_ = packed.new_zeros(padded.numel * bits // 8).index_copy_(0, _kept_bytes(segments, bits), packed)
+    else:
+        bytes_ = packed
+    if 8 % bits:  # codes straddling bytes: unpacked, then looked up (one table)
+        codes = unpack_bits(bytes_, bits, padded.numel).to(torch.int64)
+        decoded = tables.reshape(-1).index_select(0, codes)
+    elif tables.dim() == 1 or tables.shape[0] == 1:
+        decoded = decode_bits(bytes_, bits, padded.numel, tables.reshape(-1))
+    else:
+        decoded = _decode_by_segment(bytes_, bits, tables, _byte_ids(segments, bits))
+    return padded.unpad(decoded)
+
+
+def _decode_by_segment(packed: torch.Tensor, bits: int, tables: torch.Tensor, byte_ids: torch.Tensor) -> torch.Tensor:
+    """``decode_bits`` with one table per segment: byte ``b`` of segment ``s`` reads row ``256 s + b``."""
+    codes_per_byte = 8 // bits
+    patterns = _byte_patterns(bits, packed.device)
+    table = tables[:, patterns].reshape(-1, codes_per_byte) if bits < 8 else tables.reshape(-1, 1)
+    rows = packed.to(torch.int64).add_(byte_ids, alpha=256)
+    return gather_rows(table, rows).reshape(-1)
+
+
+@functools.lru_cache(maxsize=16)
+def _byte_patterns(bits: int, device: torch.device) -> torch.Tensor:
+    byte = torch.arange(256, device=device).unsqueeze(1)
+    return (byte >> torch.arange(0, 8, bits, device=device)) & ((1 << bits) - 1)
+
+
+def _kept_bytes(segments: Segments, bits: int) -> torch.Tensor:
+    """Of the bytes of the layout padded to 8 codes, those :func:`pack_segments` keeps (cached)."""
+    cache = segments.__dict__.setdefault("_kept_bytes", {})
+    if bits not in cache:
+        kept = packed_lengths(segments.lengths, bits)
+        cache[bits] = _placement(kept, [n * bits // 8 for n in segments.padded(8).lengths], segments.device)
+    return cache[bits]
+
+
+def _byte_ids(segments: Segments, bits: int) -> torch.Tensor:
+    """Each byte's segment, in the layout padded to 8 codes (cached)."""
+    cache = segments.__dict__.setdefault("_byte_ids", {})
+    if bits not in cache:
+        cache[bits] = _ids([n * bits // 8 for n in segments.padded(8).lengths], segments.device)
+    return cache[bits]

@@ -1,0 +1,73 @@
+"""Count the torch operators a communication hook runs: the measure of a hook's fixed cost per bucket.
+
+On a GPU every operator is a kernel launched from Python, and on the CPU a call of a few microseconds; a
+hook whose number of operators grows with the number of tensors in its bucket costs, on a model of
+thousands of tensors, what its bytes could never save. :func:`count_aten_calls` counts every ``aten::``
+operator that runs on any thread while a function runs (torch's profiler with ``profile_all_threads``: a
+future's callbacks may run on the backend's thread), nested ones included (an ``aten::to`` counts with the
+``aten::copy_`` it calls), so counts compare between two versions of the same code and between hooks, not
+with other tools' counts. :func:`hook_calls` applies it to one call of a hook (its ``wait`` included) after
+two untimed calls, so that caches filled on a first call are not counted; :func:`many_tensor_bucket` makes a
+bucket of any number of tensors, half of them large enough to be compressed at the hook's defaults.
+
+::
+
+    bucket = many_tensor_bucket(800)
+    hook, state = make_comm_hook("topk", process_group=group)
+    hook_calls(hook, state, bucket) - hook_calls(allreduce_hook, group, bucket)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
+
+from gradcomm.hooks.grad_bucket import GradBucket
+
+__all__ = ["count_aten_calls", "hook_calls", "many_tensor_bucket"]
+
+
+def count_aten_calls(fn: Callable[[], Any]) -> int:
+    """The number of ``aten::`` operators run, on every thread, while ``fn()`` runs."""
+    with profile(
+        activities=[ProfilerActivity.CPU], experimental_config=_ExperimentalConfig(profile_all_threads=True)
+    ) as profiler:
+        fn()
+    return sum(1 for event in profiler.events() if event.name.startswith("aten::"))
+
+
+def hook_calls(hook: Callable[[Any, Any], torch.futures.Future[Any]], state: Any, bucket: GradBucket) -> int:
+    """Operators of one call of ``hook(state, bucket)``, waited for; the bucket's values are restored before
+    each of the two untimed calls and the counted one (a hook writes its result into the bucket)."""
+    values = bucket.buffer().clone()
+
+    def call() -> None:
+        bucket.buffer().copy_(values)
+        hook(state, bucket).wait()
+
+    for _ in range(2):
+        call()
+    bucket.buffer().copy_(values)
+    return count_aten_calls(lambda: hook(state, bucket).wait())
+
+
+def many_tensor_bucket(
+    count: int, width: int = 32, device: torch.device | str = "cpu", seed: int = 0
+) -> GradBucket:
+    """One bucket of ``count`` gradients: ``count // 2`` linear layers' weights (``width x width``: 1,024
+    elements, compressed at the hook's defaults) and biases (``width``: sent dense), plus one more weight
+    where ``count`` is odd; values normal, of a scale that differs by tensor (per-tensor statistics
+    matter)."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [torch.Size([width, width]) if index % 2 == 0 else torch.Size([width]) for index in range(count)]
+    gradients = [
+        torch.randn(shape, generator=generator) * 10.0 ** (index % 7 - 3) for index, shape in enumerate(shapes)
+    ]
+    lengths = [shape.numel() for shape in shapes]
+    offsets = [sum(lengths[:index]) for index in range(count)]
+    buffer = torch.cat([gradient.reshape(-1) for gradient in gradients]).to(device)
+    parameters = [torch.nn.Parameter(torch.empty(shape, device=device)) for shape in shapes]
+    return GradBucket(0, buffer, offsets, lengths, shapes, parameters, is_last=True)

@@ -1,0 +1,227 @@
+"""Segmented buckets (issue 36): a bucket's torch calls do not grow with its tensors, and payloads are what
+encoding every tensor on its own made before.
+
+The per-tensor references below are the methods' encodings before the segmented form, frozen here (built
+from the :mod:`gradcomm.compression._numerics` primitives they used); where the segmented form changed the
+random draws (QSGD, TernGrad, random-k), the compression error is compared with its exact expectation,
+which is what the old draws had too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gradcomm.compression import DGC, QSGD, ByteGrad, EFSignSGD, OneBit, RandomK, SignSGD, TernGrad, TopK
+from gradcomm.compression._numerics import (
+    as_uint8,
+    nonzero_or_one,
+    pack_signs,
+    safe_mean_abs,
+    safe_rms,
+    top_magnitudes,
+    work_dtype,
+)
+from gradcomm.compression.registry import methods
+from gradcomm.compression.segments import Segments, packed_lengths
+from gradcomm.testing import run_on_ranks
+
+LENGTHS = (1000, 1024, 3001, 7, 4096, 1024)
+
+
+def _bucket(seed: int = 0) -> tuple[list[torch.Tensor], Segments, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(n, generator=generator) * 10.0 ** (i % 5 - 2) for i, n in enumerate(LENGTHS)]
+    return tensors, Segments.of(tensors, [f"p{i}" for i in range(len(tensors))]), torch.cat(tensors)
+
+
+def _split(part: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    return list(part.reshape(-1).split(sizes))
+
+
+# -- frozen per-tensor encodings (before segments) --------------------------------------------------------------
+def _old_efsign(t: torch.Tensor) -> list[torch.Tensor]:
+    return [pack_signs(t), safe_mean_abs(t.to(work_dtype(t.dtype))).reshape(1)]
+
+
+def _old_onebit_rows(rows: torch.Tensor) -> list[torch.Tensor]:
+    return [pack_signs(rows), safe_rms(rows.to(work_dtype(rows.dtype)), dim=1)]
+
+
+def _old_bytegrad_rows(rows: torch.Tensor) -> list[torch.Tensor]:
+    work = rows.to(work_dtype(rows.dtype))
+    low, high = work.amin(dim=1, keepdim=True), work.amax(dim=1, keepdim=True)
+    span = high - low
+    scale = torch.where(torch.isfinite(span), torch.where(span < 2.0**-60, 2.0**64, 1.0), 0.5).to(work.dtype)
+    span = high * scale - low * scale
+    steps = torch.where(span > 0, 255 / nonzero_or_one(span), 0.0)
+    return [as_uint8(((work * scale).sub_(low * scale)).mul_(steps).add_(0.5)), low, high]
+
+
+def _no_less_accurate(ours: torch.Tensor, old: torch.Tensor, exact: torch.Tensor) -> None:
+    """Scales as close to their exact values as before, or within half an ulp (float32 of the exact value)."""
+    ulp = exact.float().double().abs() * 2.0**-24
+    assert ((ours.double() - exact).abs() <= torch.maximum((old.double() - exact).abs(), ulp)).all()
+
+
+def test_signsgd_payload_is_the_concatenations_signs():
+    tensors, segments, flat = _bucket()
+    payload, _ = SignSGD().compress_segments(flat, segments)
+    assert torch.equal(payload[0], pack_signs(flat))
+
+
+def test_efsign_payload_is_every_tensors_own():
+    tensors, segments, flat = _bucket()
+    compressor = EFSignSGD()
+    bits, scales = compressor.compress_segments(flat, segments)[0]
+    old = [_old_efsign(t) for t in tensors]
+    assert torch.equal(bits, torch.cat([o[0] for o in old]))
+    _no_less_accurate(scales, torch.cat([o[1] for o in old]), torch.stack([t.double().abs().mean() for t in tensors]))
+    assert compressor.payload_layout(segments.lengths, torch.float32) == [(bits.numel(), bits.dtype), (6, scales.dtype)]
+    decoded = compressor.decompress_segments([bits, scales], None, segments)
+    for t, d, s in zip(tensors, decoded.split(LENGTHS), scales, strict=True):
+        assert torch.equal(d, torch.where(t >= 0, s, -s))
+
+
+@pytest.mark.parametrize("make", [TopK, lambda: DGC(ratio=0.01, momentum=0.9)])
+def test_sparse_payload_is_every_tensors_top_k(make):
+    tensors, segments, flat = _bucket()
+    compressor = make()
+    (values, local), indices = compressor.compress_segments(flat, segments)
+    ks = [compressor.k(n) for n in LENGTHS]
+    for t, v, i, k in zip(tensors, _split(values, ks), _split(local, ks), ks, strict=True):
+        expected = top_magnitudes(t, k).sort().values
+        order = i.long().sort()
+        assert torch.equal(order.values, expected)
+        assert torch.equal(v[order.indices], t[expected])
+    assert local.dtype == torch.int32
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("name", ["onebit", "bytegrad"])
+def test_two_stage_chunks_are_every_tensors_rows(name, world_size):
+    """The whole bucket's rows: chunk j of every tensor, encoded as that tensor's row j was."""
+    from gradcomm.compression.row_layout import RowLayout as _RowLayout
+
+    tensors, segments, flat = _bucket(1)
+    compressor = {"onebit": OneBit, "bytegrad": ByteGrad}[name]()
+    old_rows = {"onebit": _old_onebit_rows, "bytegrad": _old_bytegrad_rows}[name]
+    layout = _RowLayout.of(segments, world_size)
+    payload, _ = compressor.compress_segments(layout.cut(flat), layout.rows)
+    rows = [part.reshape(world_size, -1) for part in payload]
+    sizes = [layout.chunks, packed_lengths(layout.chunks, 1)][name == "onebit"]
+    for index, t in enumerate(tensors):
+        padded = torch.nn.functional.pad(t, (0, -t.numel() % world_size)).view(world_size, -1)
+        old = old_rows(padded)
+        ours = [r.reshape(world_size, -1) for r in rows]
+        codes = torch.stack([ours[0][j].split(list(sizes))[index] for j in range(world_size)])
+        assert torch.equal(codes, old[0])
+        for ours_part, old_part in zip(ours[1:], old[1:], strict=True):
+            if name == "onebit":  # the scale, summed in float64 now
+                exact = padded.double().square().mean(dim=1).sqrt()
+                _no_less_accurate(ours_part[:, index], old_part.reshape(-1), exact)
+            else:  # minima and maxima: exact either way
+                assert torch.equal(ours_part[:, index], old_part.reshape(-1))
+    assert torch.equal(layout.join(layout.cut(flat)), flat)
+
+
+def _error(compressor, flat: torch.Tensor, segments: Segments, draws: int) -> float:
+    total = 0.0
+    for _ in range(draws):
+        payload, ctx = compressor.compress_segments(flat, segments)
+        total += float((compressor.decompress_segments(payload, ctx, segments).double() - flat.double()).square().sum())
+    return total / draws
+
+
+def test_qsgd_error_is_stochastic_roundings():
+    tensors, segments, flat = _bucket(2)
+    compressor = QSGD(levels=7, bucket_size=512)
+    expected = 0.0
+    for t in tensors:
+        rows = torch.nn.functional.pad(t.double(), (0, -t.numel() % 512)).view(-1, 512)
+        step = rows.norm(dim=1, keepdim=True) / 7
+        fraction = (rows.abs() / torch.where(step > 0, step, 1)).frac()
+        expected += float((fraction * (1 - fraction) * step.square()).sum())
+    assert _error(compressor, flat, segments, 30) == pytest.approx(expected, rel=0.1)
+
+
+def test_terngrad_error_is_stochastic_roundings():
+    tensors, segments, flat = _bucket(3)
+    compressor = TernGrad(clip=None)
+    expected = sum(float((t.double().abs() * (t.double().abs().max() - t.double().abs())).sum()) for t in tensors)
+    assert _error(compressor, flat, segments, 30) == pytest.approx(expected, rel=0.1)
+
+
+def test_randomk_error_is_a_uniform_subsets():
+    """Stratified: one coordinate per stratum; where k divides n, the error of a uniform k-subset,
+    sum x_i**2 (n / k - 1)."""
+    generator = torch.Generator().manual_seed(4)
+    tensors = [torch.randn(n, generator=generator) for n in (1000, 2000, 500)]
+    segments, flat = Segments.of(tensors, ["a", "b", "c"]), torch.cat(tensors)
+    compressor = RandomK(ratio=0.1)
+    expected = sum(float(t.double().square().sum()) * (10 - 1) for t in tensors)
+    assert _error(compressor, flat, segments, 40) == pytest.approx(expected, rel=0.1)
+    payload, (indices, _) = compressor.compress_segments(flat, segments)
+    for start, n in zip(segments.starts, segments.lengths, strict=True):
+        mine = indices[(indices >= start) & (indices < start + n)] - start
+        assert mine.numel() == math.ceil(0.1 * n) and mine.unique().numel() == mine.numel()
+
+
+def test_a_tensor_draws_alike_in_any_bucket():
+    """Random draws are keyed by tensor: compressing it alone or in a bucket gives the same codes."""
+    tensors, segments, flat = _bucket(5)
+    together = QSGD(seed=3).compress_segments(flat, segments)[0]
+    alone = QSGD(seed=3)
+    pieces = []
+    for key, t in reversed(list(zip(segments.keys, tensors, strict=True))):  # any order
+        with alone.stream(key):
+            pieces.insert(0, alone.compress(t)[0])
+    for part, together_part in zip(zip(*pieces, strict=True), together, strict=True):
+        assert torch.equal(torch.cat([p.reshape(-1) for p in part]), together_part)
+
+
+# -- torch calls per bucket -------------------------------------------------------------------------------------
+CEILINGS = {
+    "allreduce": 5,
+    "bytegrad": 475,
+    "dgc": 132,
+    "efsign": 202,
+    "onebit": 365,
+    "qsgd": 230,
+    "randomk": 80,
+    "signsgd": 120,
+    "terngrad": 265,
+    "topk": 123,
+}
+"""aten calls of one hook call beyond a plain allreduce's (allreduce: its own), at most, at 28 and at 800
+tensors (``python benchmarks/bench_codecs.py --count`` prints them), a few above what they are now. Before
+segmented buckets they grew with the tensors: 1,254 / 34,836 for top-k at 28 / 800. The issue's target is 80
+for every method: met by random-k alone so far (see docs/notes/2026-11-28-segmented-codecs.md)."""
+
+
+def _counts(sizes: list[int], names: list[str]) -> dict[int, dict[str, int]]:
+    from gradcomm.hooks.registry import make_comm_hook
+    from gradcomm.testing.op_count import hook_calls, many_tensor_bucket
+
+    torch.set_num_threads(1)
+    counts: dict[int, dict[str, int]] = {}
+    for size in sizes:
+        bucket = many_tensor_bucket(size)
+        counts[size] = {}
+        for name in names:
+            hook, state = make_comm_hook(name, process_group=dist.group.WORLD)
+            counts[size][name] = hook_calls(hook, state, bucket)
+    return counts
+
+
+def test_torch_calls_per_bucket_do_not_grow_with_its_tensors():
+    names = ["allreduce", *methods()]
+    assert set(CEILINGS) == set(names), "a new method needs its ceiling here"
+    [counts] = run_on_ranks(_counts, world_size=1, args=([28, 800], names), timeout=600)
+    for name in names:
+        beyond = [counts[size][name] - (0 if name == "allreduce" else counts[size]["allreduce"]) for size in (28, 800)]
+        assert max(beyond) <= CEILINGS[name], (name, beyond)
+        assert abs(beyond[0] - beyond[1]) <= 10, (name, beyond)
