@@ -1,16 +1,16 @@
 """gradcomm.DiLoCo against torchft's DiLoCo (issue 35's peer comparison): same model, data, H, optimizers.
 
-Both train the bench's transformer from the same initial weights on 2 replicas (CPU, gloo, localhost), each
-replica on its own batches (``workload.batch(rank, step)``, as ``gradcomm bench`` draws them), with an inner
-AdamW and the same outer SGD; after every outer sync the synced parameters' loss on the bench's held-out
-batches is recorded. gradcomm runs on 2 processes (``gradcomm.testing.run_on_ranks``); torchft runs as its own
-integration tests do: a ``LighthouseServer`` and 2 replica groups of 1 rank each, in threads, each with its
-own ``TCPStore``, a ``Manager`` (synchronous quorum) and a ``ProcessGroupGloo``. A second gradcomm run on other
-batches (``--noise-seed``) gives the run-to-run noise to judge the gap by.
+Both train the bench's transformer from the same initial weights on ``--replicas`` replicas (CPU, gloo,
+localhost), each on its own batches (``workload.batch(rank, step)``, as ``gradcomm bench`` draws them), with an
+inner AdamW and the same outer SGD; after every outer sync the synced parameters' loss on the bench's held-out
+batches is recorded. gradcomm runs one process per replica (``gradcomm.testing.run_on_ranks``); torchft runs as
+its own integration tests do: a ``LighthouseServer`` and one replica group of 1 rank per replica, in threads,
+each with its own ``TCPStore``, a ``Manager`` (synchronous quorum) and a ``ProcessGroupGloo``. A second gradcomm
+run on other batches (``--noise-seed``) gives the run-to-run noise to judge the gap by.
 
 torchft is an optional comparison, not a dependency of gradcomm: ``pip install torchft torch==<yours>``.
 
-    python benchmarks/torchft_compare.py --steps 120 --sync-every 20 --out torchft_compare.json
+    python benchmarks/torchft_compare.py --steps 200 --sync-every 20 --out torchft_compare.json
 """
 
 from __future__ import annotations
@@ -57,6 +57,14 @@ Curve = tuple[list[float], dict[str, torch.Tensor]]
 """The synced parameters' held-out loss after every outer sync, and the final parameters."""
 
 
+def _sum_then_divide(state: None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Averaging as torchft's ``Manager.allreduce`` does it (sum, then divide by the replicas); gradcomm's
+    default divides each replica's pseudo-gradient first, as torch's DDP does."""
+    world = dist.get_world_size()
+    future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return future.then(lambda done: done.value()[0].div_(world))
+
+
 def _gradcomm_rank(state: dict[str, torch.Tensor], args: dict[str, Any], seed: int) -> Curve:
     from gradcomm import DiLoCo
 
@@ -64,7 +72,12 @@ def _gradcomm_rank(state: dict[str, torch.Tensor], args: dict[str, Any], seed: i
     workload, model, inner = _setup(state, args["lr"])
     outer = OUTER[args["outer"]]
     diloco = DiLoCo(
-        model, inner, sync_every=args["sync_every"], outer_lr=outer["lr"], outer_momentum=outer["momentum"]
+        model,
+        inner,
+        sync_every=args["sync_every"],
+        outer_lr=outer["lr"],
+        outer_momentum=outer["momentum"],
+        compressor=(None, _sum_then_divide) if args["sum_then_divide"] else None,
     )
     losses = []
     for step in range(args["steps"]):
@@ -81,7 +94,7 @@ def _gradcomm_rank(state: dict[str, torch.Tensor], args: dict[str, Any], seed: i
 def run_gradcomm(state: dict[str, torch.Tensor], args: dict[str, Any], seed: int) -> Curve:
     from gradcomm.testing import run_on_ranks
 
-    return run_on_ranks(_gradcomm_rank, 2, (state, args, seed), timeout=args["timeout"])[0]
+    return run_on_ranks(_gradcomm_rank, args["replicas"], (state, args, seed), timeout=args["timeout"])[0]
 
 
 def _free_port() -> int:
@@ -106,7 +119,7 @@ def _torchft_replica(replica: int, lighthouse: str, state: dict[str, torch.Tenso
         pg=ProcessGroupGloo(timeout=wait),
         load_state_dict=None,
         state_dict=None,
-        min_replica_size=2,
+        min_replica_size=args["replicas"],
         use_async_quorum=False,
         init_sync=False,  # both replicas load the same initial weights
         timeout=wait,
@@ -123,7 +136,8 @@ def _torchft_replica(replica: int, lighthouse: str, state: dict[str, torch.Tenso
     )
     losses = []
     try:
-        with DiLoCo(manager, [model], inner, outer_optimizer, sync_every=args["sync_every"]):
+        bucket = {"use_bucketization": True, "bucket_cap_mb": 1024} if args["one_bucket"] else {}
+        with DiLoCo(manager, [model], inner, outer_optimizer, sync_every=args["sync_every"], **bucket):
             for step in range(args["steps"]):
                 committed = manager.current_step()
                 _train_step(workload, model, inner, replica, step)
@@ -137,12 +151,14 @@ def _torchft_replica(replica: int, lighthouse: str, state: dict[str, torch.Tenso
 def run_torchft(state: dict[str, torch.Tensor], args: dict[str, Any]) -> Curve:
     from torchft.coordination import LighthouseServer
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    replicas = args["replicas"]
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=replicas)
+    pool = ThreadPoolExecutor(max_workers=replicas)
     try:
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            futures = [pool.submit(_torchft_replica, r, lighthouse.address(), state, args) for r in range(2)]
-            return [f.result(timeout=args["timeout"]) for f in futures][0]
+        futures = [pool.submit(_torchft_replica, r, lighthouse.address(), state, args) for r in range(replicas)]
+        return [f.result(timeout=args["timeout"]) for f in futures][0]
     finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # a replica stuck past the timeout ends on its own
         lighthouse.shutdown()
 
 
@@ -179,7 +195,8 @@ def compare(state: dict[str, torch.Tensor], args: dict[str, Any]) -> dict[str, A
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--sync-every", type=int, default=20)
     parser.add_argument("--outer", choices=sorted(OUTER), nargs="+", default=["nesterov", "averaging"],
                         help="nesterov: SGD lr 0.7 momentum 0.9 Nesterov (the paper's); averaging: lr 1 (gradcomm's)")
@@ -187,6 +204,11 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=4)
     parser.add_argument("--noise-seed", type=int, default=1, help="data seed of the second gradcomm run")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds any one run or wait may take")
+    parser.add_argument("--sum-then-divide", action="store_true",
+                        help="gradcomm averages as torchft does (a hook) instead of dividing before the sum")
+    parser.add_argument("--one-bucket", action="store_true",
+                        help="torchft allreduces all pseudo-gradients in one flat buffer (as gradcomm does) instead "
+                        "of one allreduce per parameter")
     parser.add_argument("--out", help="write the curves and figures here as JSON")
     options = parser.parse_args()
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and manager log every quorum at info
