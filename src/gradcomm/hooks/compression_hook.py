@@ -255,10 +255,20 @@ class _Part:
             return buffer[span[0] : span[1]], False
         if self.index is not None:
             return buffer.index_select(0, self.index), True
+        values = buffer.new_empty(self.segments.numel)
+        self._copy_between(values, buffer, into_buffer=False)
+        return values, True
+
+    def _copy_between(self, values: torch.Tensor, buffer: torch.Tensor, into_buffer: bool) -> None:
+        """Each group's strided view of ``buffer`` copied from or into its piece of ``values`` (one pass,
+        where reshaping a strided view and concatenating copied twice)."""
         views = self._views(buffer)
-        if len(views) == 1:
-            return views[0].reshape(-1), True
-        return torch.cat([view.reshape(-1) for view in views]), True
+        pieces = [values] if len(views) == 1 else values.split([view.numel() for view in views])
+        for view, piece in zip(views, pieces, strict=True):
+            if into_buffer:
+                view.copy_(piece.view(view.shape))
+            else:
+                piece.view(view.shape).copy_(view)
 
     def put(self, buffer: torch.Tensor, values: torch.Tensor) -> None:
         values = values if values.dtype == buffer.dtype else values.to(buffer.dtype)
@@ -270,10 +280,7 @@ class _Part:
         elif self.index is not None:
             buffer.index_copy_(0, self.index, values)
         else:
-            views = self._views(buffer)
-            pieces = [values] if len(views) == 1 else values.split([view.numel() for view in views])
-            for view, piece in zip(views, pieces, strict=True):
-                view.copy_(piece.view(view.shape))
+            self._copy_between(values, buffer, into_buffer=True)
 
 
 @dataclass(frozen=True, eq=False)
