@@ -190,6 +190,27 @@ def test_state_dict_round_trip_resumes_bit_for_bit():
             assert torch.equal(restored.state_dict()[name][key], original.state_dict()[name][key])
 
 
+def test_a_failed_step_drops_the_buffers_rather_than_half_update_them(monkeypatch):
+    """The buffers are updated in place: a step failing after the update (here in the selection) forgets them
+    (the next step starts afresh, as error feedback does), so a stale half-step is never sent later."""
+    from gradcomm.compression.methods import dgc as dgc_module
+
+    compressor = DGC(ratio=0.1, momentum=0.9)
+    gradients = _gradients((200,), 2, seed=8)
+    _sent(compressor, gradients[0], key="w")
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("selection failed")
+
+    monkeypatch.setattr(dgc_module, "segment_topk", failing)
+    with pytest.raises(RuntimeError, match="selection failed"):
+        _sent(compressor, gradients[1], key="w")
+    assert compressor.state_dict() == {"momentum": {}, "accumulation": {}}
+    monkeypatch.undo()
+    fresh = DGC(ratio=0.1, momentum=0.9)
+    assert torch.equal(_sent(compressor, gradients[1], key="w"), _sent(fresh, gradients[1], key="w"))
+
+
 def test_loading_a_bad_state_is_refused():
     compressor = DGC()
     with pytest.raises(ValueError, match=r"DGC: state must have the entries \['momentum', 'accumulation'\]"):

@@ -225,3 +225,65 @@ def test_torch_calls_per_bucket_do_not_grow_with_its_tensors():
         beyond = [counts[size][name] - (0 if name == "allreduce" else counts[size]["allreduce"]) for size in (28, 800)]
         assert max(beyond) <= CEILINGS[name], (name, beyond)
         assert abs(beyond[0] - beyond[1]) <= 10, (name, beyond)
+
+
+# -- a bucket's strided gradients: compensated in place of their copy ------------------------------------------
+def _mixed_bucket(distinct: bool):
+    """Weights (compressed) between biases (dense): a strided compressed part, in one group of runs, or
+    (``distinct``: every weight of its own size) in more groups than the hook copies one by one."""
+    from gradcomm.hooks.grad_bucket import GradBucket
+    from gradcomm.testing.op_count import many_tensor_bucket
+
+    if not distinct:
+        return many_tensor_bucket(9)
+    generator = torch.Generator().manual_seed(1)
+    shapes = [torch.Size([32 + i, 32]) if j == 0 else torch.Size([32]) for i in range(10) for j in range(2)]
+    gradients = [torch.randn(shape, generator=generator) * 10.0 ** (i % 5 - 2) for i, shape in enumerate(shapes)]
+    lengths = [shape.numel() for shape in shapes]
+    return GradBucket(
+        0, torch.cat([g.reshape(-1) for g in gradients]), [sum(lengths[:i]) for i in range(len(lengths))],
+        lengths, shapes, [torch.nn.Parameter(torch.empty(shape)) for shape in shapes], is_last=True,
+    )
+
+
+def _strided_against_contiguous(
+    names: list[str], distinct: bool
+) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    from gradcomm.hooks.grad_bucket import GradBucket
+    from gradcomm.hooks.registry import make_comm_hook
+
+    mixed = _mixed_bucket(distinct)
+    weights = mixed.gradients()[::2]
+    lengths = [w.numel() for w in weights]
+    alone_values = torch.cat([w.reshape(-1) for w in weights])
+    alone = GradBucket(
+        0, alone_values.clone(), [sum(lengths[:i]) for i in range(len(lengths))], lengths,
+        [w.shape for w in weights], mixed.parameters()[::2], is_last=True,
+    )
+    mixed_values = mixed.buffer().clone()
+    out: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for name in names:
+        (mixed_hook, mixed_state), (alone_hook, alone_state) = (
+            make_comm_hook(name, process_group=dist.group.WORLD) for _ in range(2)
+        )
+        out[name] = []
+        for step in range(3):
+            scale = 1.0 + step
+            mixed.buffer().copy_(mixed_values * scale)
+            alone.buffer().copy_(alone_values * scale)
+            got = mixed_hook(mixed_state, mixed).wait()
+            want = alone_hook(alone_state, alone).wait()
+            got_weights = torch.cat([g.reshape(-1) for g in got.split([m.numel() for m in mixed.gradients()])[::2]])
+            out[name].append((got_weights, want.clone()))
+    return out
+
+
+@pytest.mark.parametrize("distinct", [False, True], ids=["one-group", "gathered-by-index"])
+def test_strided_gradients_compensate_as_contiguous_ones(distinct):
+    """Error feedback on a bucket's strided gradients (added into the held residual straight from the bucket)
+    gives, step after step, what it gives on the same gradients lying contiguous."""
+    names = ["topk", "efsign", "onebit", "bytegrad"]
+    [results] = run_on_ranks(_strided_against_contiguous, world_size=1, args=(names, distinct), timeout=120)
+    for name in names:
+        for step, (got, want) in enumerate(results[name]):
+            assert torch.equal(got, want), (name, step)

@@ -89,11 +89,18 @@ def compensated_compress(
 
 
 def compensated_compress_segments(
-    compressor: SegmentedCompressor, memory: Memory, segments: Segments, flat: torch.Tensor, owned: bool = False
+    compressor: SegmentedCompressor,
+    memory: Memory,
+    segments: Segments,
+    flat: torch.Tensor,
+    owned: bool = False,
+    compensated: bool = False,
 ) -> tuple[Payload, Any]:
     """:func:`compensated_compress` of a whole bucket: ``flat`` holds ``segments``, compensated and stored
-    as one flat residual. ``owned``: ``flat`` is the caller's to overwrite (a copy of the bucket's values)."""
-    corrected = memory.compensate_segments(segments, flat)
+    as one flat residual. ``owned``: ``flat`` is the caller's to overwrite (a copy of the bucket's values);
+    ``compensated``: ``flat`` is ``memory``'s own flat residual, to which the caller already added the
+    values (the hook adds a bucket's strided gradients into it, with no copy of them in between)."""
+    corrected = flat if compensated else memory.compensate_segments(segments, flat)
     try:
         payload, ctx = compressor.compress_segments(corrected, segments)
         if memory.enabled:
@@ -131,9 +138,11 @@ class Communicator(ABC):
         memory: Memory,
         world_size: int,
         owned: bool = False,
+        compensated: bool = False,
     ) -> Message:
-        """Compress a whole bucket's ``flat`` tensors for this exchange, with ``memory``'s error feedback."""
-        payload, ctx = compensated_compress_segments(compressor, memory, segments, flat, owned)
+        """Compress a whole bucket's ``flat`` tensors for this exchange, with ``memory``'s error feedback
+        (``owned``, ``compensated``: as for :func:`compensated_compress_segments`)."""
+        payload, ctx = compensated_compress_segments(compressor, memory, segments, flat, owned, compensated)
         return Message(segments.keys, SegmentCodec(compressor, segments), payload, ctx)  # type: ignore[arg-type]
 
     def encode(
@@ -358,10 +367,11 @@ class TwoStageAllreduce(Communicator):
         memory: Memory,
         world_size: int,
         owned: bool = False,
+        compensated: bool = False,
     ) -> Message:
         """A whole bucket cut in rows (:class:`RowLayout`) and compressed at once, one scale per chunk."""
         layout = RowLayout.of(segments, world_size)
-        corrected = memory.compensate_segments(segments, flat)
+        corrected = flat if compensated else memory.compensate_segments(segments, flat)
         try:
             payload, ctx = compressor.compress_segments(layout.cut(corrected), layout.rows)
             if memory.enabled:

@@ -86,16 +86,25 @@ def _rows_topk(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
     sample = magnitudes[:, ::stride]
     place = min(sample.shape[1], -(-2 * k * sample.shape[1] // length) + 1)
     thresholds = sample.topk(place, dim=1, sorted=True).values[:, -1:]
-    candidate = (magnitudes < thresholds).logical_not_()  # NaN is never below: a candidate
-    per_row = candidate.sum(dim=1)
-    if bool(((per_row < k) | (thresholds.squeeze(1) == 0)).any()):
+    if bool((thresholds == 0).any()):
         return magnitudes.topk(k, dim=1, sorted=False).indices
+    # into int8, then read as bool: a comparison into bool is not vectorised on the CPU
+    below = torch.lt(magnitudes, thresholds, out=torch.empty(magnitudes.shape, dtype=torch.int8))
+    candidate = below.view(torch.bool).logical_not_()  # NaN is never below: a candidate
     found = sparse_nonzero(candidate.view(-1)) if 64 * k <= length else candidate.view(-1).nonzero().squeeze(1)
-    row, column = found.div(length, rounding_mode="floor"), found.remainder(length)
+    row = found.div(length, rounding_mode="floor")
+    per_row = torch.bincount(row, minlength=count)  # of the few found: a sum along rows reads every element
+    if bool((per_row < k).any()):
+        return magnitudes.topk(k, dim=1, sorted=False).indices
+    # each row's candidates side by side in a (count, width) matrix padded with -1, by flat indices (a 2-D
+    # index_put_ is several times slower); a choice there is a place in ``found``, which holds its column
     width = int(per_row.max())
-    within = torch.arange(row.numel(), device=row.device) - (per_row.cumsum(0) - per_row).repeat_interleave(per_row)
-    packed = magnitudes.new_full((count, width), -1.0).index_put_((row, within), magnitudes[row, column])
-    columns = column.new_zeros((count, width)).index_put_((row, within), column)
-    return columns.gather(1, packed.topk(k, dim=1, sorted=False).indices)
+    first = per_row.cumsum(0).sub_(per_row)
+    lanes = torch.arange(count, device=found.device)
+    slots = torch.arange(found.numel(), device=found.device).add_((lanes * width - first).index_select(0, row))
+    values = magnitudes.reshape(-1).index_select(0, found)
+    packed = magnitudes.new_full((count * width,), -1.0).index_copy_(0, slots, values).view(count, width)
+    chosen = packed.topk(k, dim=1, sorted=False).indices.add_(first.unsqueeze(1))
+    return found.index_select(0, chosen.view(-1)).view(count, k).sub_((lanes * length).unsqueeze(1))
 
 

@@ -283,6 +283,26 @@ class Groups:
             rows_out.copy_(fn(*(v[index] for v in views), *(c[index].unsqueeze(1) for c in columns)))
         return out
 
+    def rowwise_into(
+        self,
+        fn: Callable[..., object],
+        inputs: Sequence[torch.Tensor],
+        per_segment: Sequence[torch.Tensor],
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """As :meth:`rowwise`, for an ``fn(target, *rows, *columns)`` that writes its result into ``target``
+        (``out``'s view of the run: an ``out=`` argument, or in place), with no result to copy there. ``out``
+        may be one of ``inputs`` (elementwise operations, in place)."""
+        if len(self.runs) > _MAX_RUNS:
+            columns = [self.segments.expand(v).unsqueeze(0) for v in per_segment]
+            fn(out.view(1, -1), *(x.view(1, -1) for x in inputs), *columns)
+            return out
+        columns = [self.per_run(v) for v in per_segment]
+        views = [self.rows(x.contiguous()) for x in inputs]
+        for index, rows_out in enumerate(self.rows(out)):
+            fn(rows_out, *(v[index] for v in views), *(c[index].unsqueeze(1) for c in columns))
+        return out
+
     def in_order(self, per_run: list[torch.Tensor]) -> torch.Tensor:
         """Per-segment results of the runs (one flat tensor per run), in segment order."""
         joined = per_run[0] if len(per_run) == 1 else torch.cat(per_run)
@@ -362,9 +382,13 @@ def segment_std(x: torch.Tensor, segments: Segments, peak: torch.Tensor) -> torc
     """Each segment's population standard deviation without overflow, as ``safe_std`` (``peak``: each
     segment's largest magnitude)."""
     groups = segments.groups
-    scaled = groups.rowwise(torch.div, [x], [nonzero_or_one(peak)], torch.empty_like(x))
+    scaled = groups.rowwise_into(
+        lambda target, rows, p: torch.div(rows, p, out=target), [x], [nonzero_or_one(peak)], torch.empty_like(x)
+    )
     mean = segment_reduce(scaled, "mean", segments)
-    centred = groups.rowwise(lambda rows, m: (rows - m).square_(), [scaled], [mean], scaled)
+    centred = groups.rowwise_into(
+        lambda target, rows, m: torch.sub(rows, m, out=target).square_(), [scaled], [mean], scaled
+    )
     return peak * segment_reduce(centred, "mean", segments).sqrt()
 
 

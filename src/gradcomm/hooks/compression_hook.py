@@ -255,10 +255,29 @@ class _Part:
             return buffer[span[0] : span[1]], False
         if self.index is not None:
             return buffer.index_select(0, self.index), True
+        values = buffer.new_empty(self.segments.numel)
+        self._copy_between(values, buffer, into_buffer=False)
+        return values, True
+
+    def add_into(self, values: torch.Tensor, buffer: torch.Tensor) -> None:
+        """Add the part's values in ``buffer`` to the flat ``values`` (laid out as the part's segments)."""
+        if self.index is not None:
+            values.add_(buffer.index_select(0, self.index))
+        else:
+            self._copy_between(values, buffer, into_buffer=False, add=True)
+
+    def _copy_between(self, values: torch.Tensor, buffer: torch.Tensor, into_buffer: bool, add: bool = False) -> None:
+        """Each group's strided view of ``buffer`` copied from or into its piece of ``values`` (one pass,
+        where reshaping a strided view and concatenating copied twice); ``add``: added to ``values``."""
         views = self._views(buffer)
-        if len(views) == 1:
-            return views[0].reshape(-1), True
-        return torch.cat([view.reshape(-1) for view in views]), True
+        pieces = [values] if len(views) == 1 else values.split([view.numel() for view in views])
+        for view, piece in zip(views, pieces, strict=True):
+            if into_buffer:
+                view.copy_(piece.view(view.shape))
+            elif add:
+                piece.view(view.shape).add_(view)
+            else:
+                piece.view(view.shape).copy_(view)
 
     def put(self, buffer: torch.Tensor, values: torch.Tensor) -> None:
         values = values if values.dtype == buffer.dtype else values.to(buffer.dtype)
@@ -270,10 +289,7 @@ class _Part:
         elif self.index is not None:
             buffer.index_copy_(0, self.index, values)
         else:
-            views = self._views(buffer)
-            pieces = [values] if len(views) == 1 else values.split([view.numel() for view in views])
-            for view, piece in zip(views, pieces, strict=True):
-                view.copy_(piece.view(view.shape))
+            self._copy_between(values, buffer, into_buffer=True)
 
 
 @dataclass(frozen=True, eq=False)
@@ -315,9 +331,9 @@ def _segmented_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
         message.out = flat if plan.dense.span is not None else None
         batches.setdefault(communicator, []).append((plan.dense, message))
     if plan.compressed is not None:
-        flat, owned = plan.compressed.take(buffer)
+        flat, owned, compensated = _compensated_take(plan.compressed, buffer, state.memory)
         message = method.encode_segments(
-            compressor, plan.compressed.segments, flat, state.memory, world_size, owned
+            compressor, plan.compressed.segments, flat, state.memory, world_size, owned, compensated
         )
         message.out = flat if not owned else None
         batches.setdefault(method, []).append((plan.compressed, message))
@@ -339,6 +355,19 @@ def _segmented_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
     if bucket.is_last():
         state._launcher.wait_until_launched()
     return result
+
+
+def _compensated_take(part: _Part, buffer: torch.Tensor, memory: Memory) -> tuple[torch.Tensor, bool, bool]:
+    """The part's values as :meth:`_Part.take` gives them (and whether they are a copy), or, where they are
+    strided in the buffer and a flat residual is held for them, that residual with them added (one pass where
+    a copy and an addition were two): ``(flat, owned, compensated)``."""
+    if part.span is None and isinstance(memory, ResidualMemory):
+        held = memory.held_segments(part.segments, buffer)
+        if held is not None:
+            part.add_into(held, buffer)
+            return held, True, True
+    flat, owned = part.take(buffer)
+    return flat, owned, False
 
 
 def _written_into(buffer: torch.Tensor, pieces: list[torch.Tensor]) -> torch.Tensor:

@@ -65,7 +65,7 @@ _DESCRIBE = "DGC: the buffers kept for {key} have shape"
 class DGC(SparseSegments, name="dgc", summary="Deep Gradient Compression: momentum-corrected top-k"):
     """Send the ``ceil(ratio * numel)`` (at least one) largest coordinates of each tensor's accumulated
     momentum-corrected gradient; see the module docstring. A bucket's buffers are kept as one flat tensor each
-    (per-parameter views in :meth:`state_dict`).
+    (per-parameter copies in :meth:`state_dict`).
 
     Args:
         ratio: fraction of each tensor's coordinates sent per step, in (0, 1]; DGC's final density is 0.001.
@@ -102,19 +102,29 @@ class DGC(SparseSegments, name="dgc", summary="Deep Gradient Compression: moment
     def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, torch.Tensor]:
         u = self._momentum.held_segments(segments, flat)
         v = self._accumulation.held_segments(segments, flat)
-        # New tensors every step, never changed once stored: an earlier state_dict() keeps its values.
-        u = flat.clone() if self.momentum == 0 or u is None else (u * self.momentum).add_(flat)
-        v = u.clone() if v is None else v + u
-        indices = segment_topk(v, self.budget(segments))
-        payload = self.payload(v, indices, segments)
-        self._momentum.store_segments(segments, u.index_fill_(0, indices, 0))
-        self._accumulation.store_segments(segments, v.index_fill_(0, indices, 0))
+        # Updated in place (a new bucket-sized tensor every step cost more than the arithmetic: fresh pages);
+        # state_dict() copies, so an earlier one keeps its values. A step that fails midway drops the
+        # bucket's buffers rather than keep half an update (as error feedback drops its residual).
+        try:
+            u = flat.clone() if self.momentum == 0 or u is None else u.mul_(self.momentum).add_(flat)
+            v = u.clone() if v is None else v.add_(u)
+            indices = segment_topk(v, self.budget(segments))
+            payload = self.payload(v, indices, segments)
+            self._momentum.store_segments(segments, u.index_fill_(0, indices, 0))
+            self._accumulation.store_segments(segments, v.index_fill_(0, indices, 0))
+        except BaseException:
+            self._momentum.discard_segments(segments)
+            self._accumulation.discard_segments(segments)
+            raise
         return payload, indices
 
     # -- checkpointing -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """``{"momentum": {key: u}, "accumulation": {key: v}}``: tensors keyed by the hook's tensor keys."""
-        return {"momentum": self._momentum.residuals, "accumulation": self._accumulation.residuals}
+        return {
+            "momentum": {key: u.clone() for key, u in self._momentum.residuals.items()},
+            "accumulation": {key: v.clone() for key, v in self._accumulation.residuals.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if set(state) != set(_BUFFERS):

@@ -74,8 +74,9 @@ class TernGrad(
             scales = torch.where(std > 0, torch.minimum(self.clip * std, scales), scales)
         # p = x / scale (a zero scale: all zeros), clipped to +-1 (x to +-scale)
         clip = self.clip is not None
-        fraction = segments.groups.rowwise(
-            lambda rows, scale: (rows / scale).clamp_(-1, 1) if clip else rows / scale,
+        fraction = segments.groups.rowwise_into(
+            lambda target, rows, scale: torch.div(rows, scale, out=target).clamp_(-1, 1) if clip
+            else torch.div(rows, scale, out=target),
             [work],
             [nonzero_or_one(scales)],
             torch.empty_like(work),
