@@ -395,6 +395,12 @@ def compressed_allreduce_hook(
     state: CompressionState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Average ``bucket``'s gradients over ``state.process_group``, compressed with ``state.compressor``."""
+    if bucket.buffer().is_sparse:
+        method = state.compressor.name or type(state.compressor).__name__
+        raise NotImplementedError(
+            f"compression method {method!r} encodes dense gradients only, and this bucket holds a sparse one "
+            "(nn.Embedding(sparse=True)); make the embedding dense, or train with no hook"
+        )
     if state.compressor.segmented:
         return _segmented_hook(state, bucket)
     world_size = comm.group_size(state.process_group)
