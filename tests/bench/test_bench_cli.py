@@ -500,6 +500,7 @@ def test_output_is_checked_before_training(tmp_path: Path, capsys: pytest.Captur
 
 def _noisy_rank() -> int:
     """Write what gloo and c10d write to file descriptor 2 when a peer dies; rank 1 then fails."""
+    dist.barrier()  # rank 0, which holds the store, must not exit while rank 1 still joins the group
     os.write(2, b"terminate called after throwing an instance of 'gloo::IoException'\n")
     print("rank output on stdout", flush=True)
     if dist.get_rank() == 1:
