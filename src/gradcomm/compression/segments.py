@@ -28,7 +28,9 @@ from gradcomm.compression._numerics import (
     gather_rows,
     nonzero_or_one,
     pack_bits,
+    sign_values,
     unpack_bits,
+    work_dtype,
 )
 from gradcomm.compression._numerics.reductions import _plain_is_exact
 
@@ -408,6 +410,24 @@ def pack_segments(codes: torch.Tensor, segments: Segments, bits: int) -> torch.T
     if padded.aligned:
         return packed
     return packed.index_select(0, _kept_bytes(segments, bits))
+
+
+def scaled_signs_layout(lengths: Sequence[int], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
+    """The payload of :func:`pack_scaled_signs`: every segment's sign bits, then one scale per segment."""
+    return [(sum(packed_lengths(lengths, 1)), torch.uint8), (len(lengths), work_dtype(dtype))]
+
+
+def pack_scaled_signs(flat: torch.Tensor, segments: Segments, scales: torch.Tensor) -> list[torch.Tensor]:
+    """Each segment's signs (zeros as ``+``) packed one bit each, and its scale: ``sign(x) * scale``."""
+    not_negative = torch.ge(flat, 0, out=torch.empty(flat.shape, dtype=torch.int8, device=flat.device))
+    return [pack_segments(not_negative.view(torch.uint8), segments, 1), scales]
+
+
+def unpack_scaled_signs(payload: Sequence[torch.Tensor], segments: Segments) -> torch.Tensor:
+    """Inverse of :func:`pack_scaled_signs`: ``±scale`` of its segment for every coordinate."""
+    bits, scales = payload
+    tables = as_dtype(sign_values(scales.dtype, scales.device) * scales.unsqueeze(1), segments.dtype)
+    return decode_segments(bits, segments, 1, tables)
 
 
 def decode_segments(packed: torch.Tensor, segments: Segments, bits: int, tables: torch.Tensor) -> torch.Tensor:

@@ -15,16 +15,16 @@ from typing import Any
 
 import torch
 
-from gradcomm.compression._numerics import sign_values, work_dtype
+from gradcomm.compression._numerics import work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedCompressor
 from gradcomm.compression.communicators import ALLGATHER
 from gradcomm.compression.segments import (
     Segments,
     as_dtype,
-    decode_segments,
-    pack_segments,
-    packed_lengths,
+    pack_scaled_signs,
+    scaled_signs_layout,
     segment_mean_abs,
+    unpack_scaled_signs,
 )
 
 __all__ = ["EFSignSGD"]
@@ -38,16 +38,13 @@ class EFSignSGD(SegmentedCompressor, name="efsign", summary="scaled sign with er
     error_feedback = ErrorFeedback.REQUIRED
 
     def payload_layout(self, lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
-        return [(sum(packed_lengths(lengths, 1)), torch.uint8), (len(lengths), work_dtype(dtype))]
+        return scaled_signs_layout(lengths, dtype)
 
     def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
         scales = segment_mean_abs(as_dtype(flat, work_dtype(flat.dtype)), segments)
-        not_negative = torch.ge(flat, 0, out=torch.empty(flat.shape, dtype=torch.int8, device=flat.device))
-        return [pack_segments(not_negative.view(torch.uint8), segments, 1), scales], None
+        return pack_scaled_signs(flat, segments, scales), None
 
     def decompress_segments(
         self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        bits, scales = payload
-        tables = as_dtype(sign_values(scales.dtype, scales.device) * scales.unsqueeze(1), segments.dtype)
-        return decode_segments(bits, segments, 1, tables)
+        return unpack_scaled_signs(payload, segments)

@@ -22,16 +22,16 @@ from typing import Any
 
 import torch
 
-from gradcomm.compression._numerics import sign_values, work_dtype
+from gradcomm.compression._numerics import work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedRowwiseCompressor
 from gradcomm.compression.communicators import TwoStageAllreduce
 from gradcomm.compression.segments import (
     Segments,
     as_dtype,
-    decode_segments,
-    pack_segments,
-    packed_lengths,
+    pack_scaled_signs,
+    scaled_signs_layout,
     segment_rms,
+    unpack_scaled_signs,
 )
 
 __all__ = ["OneBit"]
@@ -44,16 +44,13 @@ class OneBit(SegmentedRowwiseCompressor, name="onebit", summary="two-stage error
     error_feedback = ErrorFeedback.REQUIRED
 
     def payload_layout(self, lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
-        return [(sum(packed_lengths(lengths, 1)), torch.uint8), (len(lengths), work_dtype(dtype))]
+        return scaled_signs_layout(lengths, dtype)
 
     def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
         scales = segment_rms(as_dtype(flat, work_dtype(flat.dtype)), segments)
-        not_negative = torch.ge(flat, 0, out=torch.empty(flat.shape, dtype=torch.int8, device=flat.device))
-        return [pack_segments(not_negative.view(torch.uint8), segments, 1), scales], None
+        return pack_scaled_signs(flat, segments, scales), None
 
     def decompress_segments(
         self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        bits, scales = payload
-        tables = as_dtype(sign_values(scales.dtype, scales.device) * scales.unsqueeze(1), segments.dtype)
-        return decode_segments(bits, segments, 1, tables)
+        return unpack_scaled_signs(payload, segments)
