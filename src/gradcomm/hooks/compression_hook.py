@@ -30,7 +30,7 @@ the first step, naming the parameter.
 
 # No ``from __future__ import annotations``: torch's DDP compares the hook's annotations with real types.
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -337,12 +337,6 @@ def _segmented_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
         )
         message.out = flat if not owned else None
         batches.setdefault(method, []).append((plan.compressed, message))
-    futures = [
-        communicator.exchange(
-            [message for _, message in items], state.process_group, state.server_memory, state._launcher
-        )
-        for communicator, items in batches.items()
-    ]
     result_buffer = bucket.buffer()
 
     def assemble(fut: torch.futures.Future[list[list[torch.Tensor]]]) -> torch.Tensor:
@@ -351,8 +345,24 @@ def _segmented_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
                 part.put(buffer, tensor.reshape(-1))
         return result_buffer
 
-    result = when_all(futures, buffer.device).then(assemble)
-    if bucket.is_last():
+    return _exchanged(state, bucket, batches, assemble)
+
+
+def _exchanged(
+    state: CompressionState,
+    bucket: dist.GradBucket,
+    batches: dict[Communicator, list[tuple[Any, Message]]],
+    assemble: Callable[[torch.futures.Future[list[list[torch.Tensor]]]], torch.Tensor],
+) -> torch.futures.Future[torch.Tensor]:
+    """Launch each communicator's batch of messages; the bucket's future, ``assemble``-d from all of them."""
+    futures = [
+        communicator.exchange(
+            [message for _, message in items], state.process_group, state.server_memory, state._launcher
+        )
+        for communicator, items in batches.items()
+    ]
+    result = when_all(futures, bucket.buffer().device).then(assemble)
+    if bucket.is_last():  # DDP's own collectives after the last bucket must come after all of the hook's
         state._launcher.wait_until_launched()
     return result
 
@@ -429,12 +439,6 @@ def compressed_allreduce_hook(
             message = communicator.encode(compressor, key, tensor, memory, world_size)
             message.out = out
             batches.setdefault(communicator, []).append((group, message))
-    futures = [
-        communicator.exchange(
-            [message for _, message in items], state.process_group, state.server_memory, state._launcher
-        )
-        for communicator, items in batches.items()
-    ]
     buffer = bucket.buffer()
 
     def assemble(fut: torch.futures.Future[list[list[torch.Tensor]]]) -> torch.Tensor:
@@ -445,7 +449,4 @@ def compressed_allreduce_hook(
                 averaged.update(zip(positions, pieces, strict=True))
         return _written_into(buffer, [averaged[position] for position in range(len(gradients))])
 
-    result = when_all(futures, buffer.device).then(assemble)
-    if bucket.is_last():  # DDP's own collectives after the last bucket must come after all of the hook's
-        state._launcher.wait_until_launched()
-    return result
+    return _exchanged(state, bucket, batches, assemble)
