@@ -474,3 +474,19 @@ def test_hook_writes_the_average_into_the_bucket_with_a_new_tensors_values():
         expected = [METHODS[name].segmented] * 3
         assert [is_buffer for is_buffer, _ in new_tensor[name]] == expected, name
         assert [values for _, values in into_buffer[name]] == [values for _, values in new_tensor[name]], name
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_a_sparse_bucket_is_refused_naming_the_method(name: str) -> None:
+    """nn.Embedding(sparse=True) hands the hook a sparse bucket; the method says so in one line, before any
+    collective, so every rank raises the same error at the same bucket."""
+    from gradcomm.hooks.grad_bucket import GradBucket
+
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.ones(2), (4,), check_invariants=True)
+    bucket = GradBucket(0, sparse, [0], [4], [torch.Size([4])], [torch.nn.Parameter(torch.zeros(4))], True)
+    state = CompressionState(METHODS[name](), min_numel=0, min_compression_rate=0.0)
+    with pytest.raises(NotImplementedError, match=rf"^compression method '{name}' encodes dense gradients only, and "
+                       r"this bucket holds a sparse one \(nn.Embedding\(sparse=True\)\); make the embedding dense, "
+                       r"or train with no hook$"):
+        compressed_allreduce_hook(state, bucket)
