@@ -127,3 +127,19 @@ def test_launch_dead_rank_is_the_cause_and_its_stuck_peer_is_killed():
     assert outcome.cause == Cause("died", 0) and outcome.unfinished == [0, 1]
     assert (outcome.exitcodes, outcome.killed) == ([3, -signal.SIGKILL], frozenset({1}))
     # killed after the grace period that follows a death (a stall at the 50 s timeout would be "stalled")
+
+
+def _rank_one_uses_the_store_late() -> int:
+    """Rank 0 returns at once; rank 1 talks to the rendezvous store (which rank 0 hosts) a second later."""
+    if dist.get_rank() == 1:
+        time.sleep(1.0)
+        store = dist.distributed_c10d._get_default_store()
+        store.set("late", "1")
+        return int(store.get("late"))
+    return 0
+
+
+@pytest.mark.timeout(60)
+def test_rank_zero_stays_until_every_rank_has_finished():
+    """Rank 0 hosts the store: had it exited on returning, rank 1's later use of the store would fail."""
+    assert run_on_ranks(_rank_one_uses_the_store_late, world_size=2, timeout=30) == [0, 1]
