@@ -9,8 +9,8 @@ The parameters are laid end to end in registration order, each flattened, and cu
 (:data:`UNITS`):
 
 * ``"row"`` (the default): at the row boundary nearest ``f * N / F`` (a row of a parameter is its
-  ``numel / shape[0]`` elements; one element of a vector), so every fragment holds ``N / F`` elements to
-  within a row of the parameters cut at its ends, and every part of a split parameter is a tensor of whole
+  ``numel / shape[0]`` elements; one element of a vector) that leaves every fragment at least one row,
+  so every fragment holds ``N / F`` elements to within a row, and every part of a split parameter is a tensor of whole
   rows, which any compressor (per tensor, per row or low rank) takes as it takes a smaller layer.
 * ``"element"``: at element ``f * N // F`` exactly (fragments differ by at most one element); a part that
   is not whole rows is flat.
@@ -23,6 +23,7 @@ A non-contiguous parameter (a ``channels_last`` convolution) is never cut.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -183,31 +184,60 @@ def _whole_parameters(
     ]
 
 
+class _Boundaries:
+    """Where a cut may fall in the parameters laid end to end: every row boundary (``by_rows``) or every
+    element of each parameter (never inside a non-contiguous one), found without listing them."""
+
+    def __init__(self, params: Sequence[torch.Tensor], by_rows: bool) -> None:
+        self.starts, self.ends, self.steps = [], [], []
+        offset = 0
+        for param in params:
+            if param.numel():
+                self.starts.append(offset)
+                self.ends.append(offset + param.numel())
+                contiguous = param.is_contiguous()
+                self.steps.append(_row_length(param) if by_rows or not contiguous else 1)
+            offset += param.numel()
+        self.total = offset
+
+    def at_or_before(self, x: int) -> int:
+        if x >= self.total:
+            return self.total
+        i = bisect.bisect_right(self.ends, x)
+        return self.starts[i] + (x - self.starts[i]) // self.steps[i] * self.steps[i]
+
+    def before(self, x: int) -> int:
+        """The last boundary strictly before ``x`` (> 0)."""
+        return self.at_or_before(x - 1)
+
+    def after(self, x: int) -> int:
+        """The first boundary strictly after ``x`` (< total)."""
+        i = bisect.bisect_right(self.ends, x)
+        return min(self.starts[i] + ((x - self.starts[i]) // self.steps[i] + 1) * self.steps[i], self.ends[i])
+
+
 def _element_cuts(params: Sequence[torch.Tensor], fragments: int, by_rows: bool) -> list[int]:
-    """Element positions of the cuts of the ``"row"`` (``by_rows``) or ``"element"`` split."""
-    total = sum(p.numel() for p in params)
+    """Element positions of the cuts of the ``"row"`` (``by_rows``) or ``"element"`` split: each the boundary
+    nearest ``f * N // F`` that leaves every fragment at least one row (or element)."""
+    places = _Boundaries(params, by_rows)
     cuts: list[int] = []
-    start = 0
-    position = 0  # the parameter that holds the next target
     for f in range(1, fragments):
-        target = f * total // fragments
-        while position < len(params) and start + params[position].numel() <= target:
-            start += params[position].numel()
-            position += 1
-        cut = target
-        if position < len(params) and target > start:
-            param = params[position]
-            step = _row_length(param) if by_rows or not param.is_contiguous() else 1
-            rows, rest = divmod(target - start, step)
-            cut = min(start + step * (rows + (2 * rest > step)), start + param.numel())
-        if cut <= (cuts[-1] if cuts else 0) or cut >= total:
+        low = places.after(cuts[-1] if cuts else 0) if places.total else 0
+        high = places.total
+        for _ in range(fragments - f):
+            high = places.before(high) if high > 0 else 0
+        if low > high or low >= places.total or high <= 0:
             unit = "row" if by_rows else "element"
             raise ValueError(
                 f"gradcomm.DiLoCo: fragments={fragments} cannot each hold at least one {unit} of a model of "
-                f"{total} trainable elements (fragment {f} would be empty); use fewer fragments"
+                f"{places.total} trainable elements; use fewer fragments"
                 + (" or fragment_unit='element'" if by_rows else "")
             )
-        cuts.append(cut)
+        target = f * places.total // fragments
+        down = places.at_or_before(target)
+        up = places.after(down) if down < target else down
+        nearest = up if target - down > up - target else down
+        cuts.append(min(max(nearest, low), high))
     return cuts
 
 
