@@ -217,9 +217,9 @@ def test_a_state_of_another_setup_or_model_is_refused() -> None:
         compressor
     )
     assert before_cuts == (
-        prefix + "it was written by a DiLoCo whose fragments held whole parameters (format 'gradcomm.diloco/1'), "
-        "and this one's fragment_unit='row' splits the model otherwise; build it with fragment_unit='parameter' "
-        "to resume that run; build the DiLoCo as in the run that saved it"
+        prefix + "it was written before fragments could cut parameters (format 'gradcomm.diloco/1'): its "
+        "fragments hold whole parameters, as fragment_unit='parameter' splits them, and this DiLoCo's "
+        "fragment_unit='row' splits the model otherwise; build the DiLoCo as in the run that saved it"
     ), before_cuts
     assert layout == (
         prefix + "its fragment 0 holds [weight[0:4]], this DiLoCo's (fragment_unit='row') holds [weight[0:2]]; "

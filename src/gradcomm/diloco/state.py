@@ -69,9 +69,9 @@ def _check_layout(diloco: DiLoCo, saved: dict[str, Any]) -> None:
         whole = split_into_fragments(diloco._named, len(diloco.fragments), diloco.sync_every, "parameter")
         if [fragment.layout() for fragment in whole] != mine:
             raise _refuse(
-                f"it was written by a DiLoCo whose fragments held whole parameters (format "
-                f"{WHOLE_PARAMETER_FORMAT!r}), and this one's fragment_unit={diloco.fragment_unit!r} splits the "
-                "model otherwise; build it with fragment_unit='parameter' to resume that run"
+                f"it was written before fragments could cut parameters (format {WHOLE_PARAMETER_FORMAT!r}): its "
+                "fragments hold whole parameters, as fragment_unit='parameter' splits them, and this DiLoCo's "
+                f"fragment_unit={diloco.fragment_unit!r} splits the model otherwise"
             )
         return
     theirs = [[tuple(part) for part in fragment] for fragment in saved["layout"]]
