@@ -190,8 +190,8 @@ def test_bench_runs_diloco_beside_the_hooks(tmp_path: Path) -> None:
     finals = [(ranks[2]["final_loss"], ranks[2]["final_metric"]) for ranks in document["runs_by_rank"]]
     assert finals[0] == finals[1]
     assert document["runs_by_rank"][0][2]["options"] == {
-        "sync_every": 5, "fragments": 1, "overlap": 0, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": True,
-        "mixing": 0.0, "compressor": "none",
+        "sync_every": 5, "fragments": 1, "fragment_unit": "row", "overlap": 0, "outer_lr": 1.0, "outer_momentum": 0.0,
+        "nesterov": True, "mixing": 0.0, "compressor": "none",
     }
     assert document["runs_by_rank"][0][1]["steady_statistic"] == "mean"
     assert document["config"]["hooks"] == ["allreduce", every4, every5]
