@@ -358,6 +358,7 @@ def scenarios() -> dict[str, Any]:
         for unit in ("row", "element", "parameter")
         if (unit == "row" or f > 1) and (unit != "parameter" or (c is None and f == 2))
     }
+    out["powersgd"] = {unit: _peak_exchange_bytes(3, POWERSGD, _Dominant, unit) for unit in ("row", "element")}
     out["bytes"] = {name: _bytes_per_sync(name) for name in (None, "fp16_compress")}
     out["disagree"] = _disagreeing()
     out["shared_pair"] = _shared_stateful_pair()
@@ -387,6 +388,8 @@ RESUME_CASES = [
 overlap an exchange is in flight at the interruption; top-k keeps error-feedback residuals per part, QSGD a
 random stream per part."""
 DOMINANT_COMPRESSORS = (None, "fp16_compress", "qsgd:bucket_size=64", "topk:ratio=0.0625")
+POWERSGD = "powersgd:matrix_approximation_rank=1,start_powerSGD_iter=1,use_error_feedback=off,warm_start=off"
+"""Each fragment's first exchange plain (its state's first iteration), its second compressed."""
 
 
 @pytest.fixture(
@@ -512,6 +515,19 @@ def test_peak_bytes_are_one_fth_with_a_dominant_tensor(ranks: list[dict[str, Any
                 assert max(exchanges) * fragments == plain[0], (compressor, unit, fragments, exchanges, plain)
     assert peak[(1, None, "row")][0] == 4 * 8192
     assert max(peak[(2, None, "parameter")]) == 4 * 6144  # 3/4 of plain DiLoCo's, where rows give 1/2
+
+
+@pytest.mark.timeout(200)
+def test_powersgd_compresses_the_parts_of_a_cut_matrix_where_cuts_fall_on_rows(ranks: list[dict[str, Any]]) -> None:
+    """Why rows are the default unit: 3 fragments of the dominant model cut ``big`` inside it. Cut at rows, each
+    part is a matrix of whole rows and PowerSGD sends it as rank-1 factors; cut at 8192 * f // 3 elements, a part
+    that is not whole rows is flat, and PowerSGD sends a flat tensor uncompressed."""
+    ratios = {}
+    for unit, exchanges in ranks[0]["powersgd"].items():
+        assert len(exchanges) == 6, exchanges  # fragments 2, 1, 0 plain, then the same compressed
+        ratios[unit] = [c / p for c, p in zip(exchanges[3:], exchanges[:3], strict=True)]
+    assert max(ratios["row"]) < 1 / 8, ratios
+    assert max(ratios["element"]) > 0.9, ratios
 
 
 @pytest.mark.timeout(200)
