@@ -9,9 +9,9 @@ The parameters are laid end to end in registration order, each flattened, and cu
 (:data:`UNITS`):
 
 * ``"row"`` (the default): at the row boundary nearest ``f * N / F`` (a row of a parameter is its
-  ``numel / shape[0]`` elements; one element of a vector) that leaves every fragment at least one row,
-  so every fragment holds ``N / F`` elements to within a row, and every part of a split parameter is a tensor of whole
-  rows, which any compressor (per tensor, per row or low rank) takes as it takes a smaller layer.
+  ``numel / shape[0]`` elements; one element of a vector) that leaves every fragment at least one row, so
+  every fragment holds ``N / F`` elements to within a row, and every part of a cut parameter is a tensor of
+  whole rows, which any compressor (per tensor, per row or low rank) takes as it takes a smaller layer.
 * ``"element"``: at element ``f * N // F`` exactly (fragments differ by at most one element); a part that
   is not whole rows is flat.
 * ``"parameter"``: whole parameters only (the split before fragments could cut a parameter, and what
