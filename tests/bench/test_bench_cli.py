@@ -190,8 +190,8 @@ def test_bench_runs_diloco_beside_the_hooks(tmp_path: Path) -> None:
     finals = [(ranks[2]["final_loss"], ranks[2]["final_metric"]) for ranks in document["runs_by_rank"]]
     assert finals[0] == finals[1]
     assert document["runs_by_rank"][0][2]["options"] == {
-        "sync_every": 5, "fragments": 1, "overlap": 0, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": True,
-        "mixing": 0.0, "compressor": "none",
+        "sync_every": 5, "fragments": 1, "fragment_unit": "row", "overlap": 0, "outer_lr": 1.0, "outer_momentum": 0.0,
+        "nesterov": True, "mixing": 0.0, "compressor": "none",
     }
     assert document["runs_by_rank"][0][1]["steady_statistic"] == "mean"
     assert document["config"]["hooks"] == ["allreduce", every4, every5]
@@ -360,7 +360,8 @@ def test_diloco_choices_parse_with_their_options_converted_and_the_bench_default
     choice = HookChoice.parse("diloco:sync_every=8,overlap=2,nesterov=off,compressor=topk:ratio=0.05;min_numel=0")
     assert choice.method is not None and choice.name == "diloco"
     assert choice.checked_options({}) == {
-        "sync_every": 8, "fragments": 1, "overlap": 2, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False,
+        "sync_every": 8, "fragments": 1, "fragment_unit": "row", "overlap": 2, "outer_lr": 1.0, "outer_momentum": 0.0,
+        "nesterov": False,
         "mixing": 0.0, "compressor": "topk:ratio=0.05;min_numel=0",
     }
     assert HookChoice.parse("powersgd").method is None
@@ -437,7 +438,7 @@ def test_a_method_that_syncs_every_few_steps_is_summarised_by_means() -> None:
         (
             ["--hooks", "allreduce", "diloco:sync_every=50,warp=9"],
             r"training method 'diloco' got unknown option\(s\) 'warp'; valid options: sync_every, fragments, "
-            r"overlap, outer_lr, outer_momentum, nesterov, mixing, compressor$",
+            r"fragment_unit, overlap, outer_lr, outer_momentum, nesterov, mixing, compressor$",
         ),
         (["--hooks", "diloco:sync_every=fifty"], r"'diloco': option 'sync_every' expects int, got 'fifty'$"),
         (["--hooks", "diloco:sync_every=0"], r"'diloco': sync_every must be at least 1, got 0$"),
@@ -453,12 +454,18 @@ def test_a_method_that_syncs_every_few_steps_is_summarised_by_means() -> None:
         (["--hooks", "diloco:compressor=topk", "--hook-option", "ratio=3"], r"TopK: ratio must be in \(0, 1\]"),
         (["--hooks", "diloco:compressor=topk:ratio"], r"hook option 'ratio' in 'topk:ratio' is not key=value"),
         (
-            ["--workload", "cnn", "--hooks", "diloco:fragments=13"],
-            r"'diloco': fragments=13, but the workload's model has only 12 trainable parameters",
+            ["--workload", "cnn", "--hooks", "diloco:fragments=13,fragment_unit=parameter"],
+            r"'diloco': fragments=13, but the model has only 12 trainable parameters; with "
+            r"fragment_unit='parameter' a fragment holds whole parameters",
         ),
+        (
+            ["--workload", "cnn", "--hooks", "diloco:fragments=10000000"],
+            r"'diloco': fragments=10000000 cannot each hold at least one row of a model of \d+ trainable elements",
+        ),
+        (["--hooks", "diloco:fragment_unit=halves"], r"'diloco': fragment_unit must be one of row, element, parameter"),
         (["--hooks", "warp_drive"], r"unknown communication hook 'warp_drive'.*; training methods: diloco$"),
         (["--hooks", "diloco", "--hook-option", "warp=9"], r"of none of the chosen hooks \(diloco\).*they take: "
-         r"compressor, fragments, "),
+         r"compressor, fragment_unit, fragments, "),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

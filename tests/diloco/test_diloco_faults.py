@@ -171,7 +171,8 @@ def overlapping_compressed_exchanges() -> list[bool]:
         _train(diloco, model, t, t)
         for fragment in diloco.fragments:
             if t > overlap and fragment.syncs_at(t - overlap):
-                agreed.append(_same_on_every_rank(fragment.params))
+                parts = [part.of(part.param.detach()) for part in fragment.parts]  # its own elements (0.bias is cut)
+                agreed.append(_same_on_every_rank(parts))
     return agreed
 
 

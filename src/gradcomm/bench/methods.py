@@ -160,6 +160,12 @@ def _finite_at_least_zero(value: float) -> str | None:
     return None if 0 <= value < math.inf else "a finite number >= 0"
 
 
+def _fragment_unit(value: str) -> str | None:
+    from gradcomm.diloco.fragments import UNITS
+
+    return None if value in UNITS else f"one of {', '.join(UNITS)}"
+
+
 def _mixing(value: float) -> str | None:
     return None if 0 <= value < 1 else "in [0, 1)"
 
@@ -200,6 +206,9 @@ class DiLoCoMethod(TrainingMethod):
     options = (
         MethodOption("sync_every", int, _diloco_default("sync_every"), _at_least(1)),
         MethodOption("fragments", int, _diloco_default("fragments"), _at_least(1)),
+        MethodOption(
+            "fragment_unit", str, _diloco_default("fragment_unit"), _fragment_unit, kind="row, element or parameter"
+        ),
         MethodOption("overlap", int, _diloco_default("overlap"), _at_least(0)),
         MethodOption("outer_lr", float, _diloco_default("outer_lr"), _finite_at_least_zero),
         MethodOption("outer_momentum", float, _diloco_default("outer_momentum"), _finite_at_least_zero),
@@ -237,12 +246,14 @@ class DiLoCoMethod(TrainingMethod):
         return checked
 
     def check_model(self, options: Mapping[str, Any], model: nn.Module) -> None:
-        count = sum(1 for p in model.parameters() if p.requires_grad)
-        if options["fragments"] > count:
-            raise ValueError(
-                f"training method 'diloco': fragments={options['fragments']}, but the workload's model has only "
-                f"{count} trainable parameters; a fragment holds whole parameters, so use at most {count}"
-            )
+        """Refuse fragments the model cannot fill (before ranks start): as :class:`gradcomm.DiLoCo` splits it."""
+        from gradcomm.diloco.fragments import split_into_fragments
+
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        try:
+            split_into_fragments(named, options["fragments"], options["sync_every"], options["fragment_unit"])
+        except ValueError as exc:
+            raise ValueError(f"training method 'diloco': {str(exc).removeprefix('gradcomm.DiLoCo: ')}") from None
 
     def trainer(
         self, workload: Workload, model: nn.Module, options: Mapping[str, Any], lr: float, group: Any
@@ -269,6 +280,7 @@ class DiLoCoTrainer(Trainer):
             inner,
             sync_every=options["sync_every"],
             fragments=options["fragments"],
+            fragment_unit=options["fragment_unit"],
             overlap=options["overlap"],
             outer_lr=options["outer_lr"],
             outer_momentum=options["outer_momentum"],

@@ -17,22 +17,28 @@ outer_momentum=0.9`` (Nesterov is on whenever the momentum is). A run of fewer t
 rapidly changing loss, favours a smaller ``sync_every``; a compressor (``compressor="qsgd"``, 4 bits)
 multiplies the saving by about 8 at no measured loss.
 
-**Streaming DiLoCo** (Douillard et al. 2025, arXiv 2501.18512). ``fragments=F`` splits the parameters into
-``F`` contiguous groups of whole parameters (registration order; the largest as small as any such split
-allows, as it sets the peak bytes of one exchange); fragment ``f`` syncs at the inner
-steps ``t`` with ``(t + f * H // F) % H == 0``, so the peak bandwidth falls by ``F``. ``overlap=tau`` lets an
-exchange run behind the next ``tau`` inner steps: it is launched at the sync step and its outer update applied
-``tau`` steps later (the "eager"/overlapped variant; arXiv 2502.12996 studies the overlap). The synced
-fragment then becomes ``mixing * local + (1 - mixing) * global``: Streaming DiLoCo's mixing with
-``alpha = mixing``; the default 0 replaces the local values by the new global ones, so that the replicas are
-identical again right after the sync (with ``mixing > 0`` they never are, and the replica check is off).
-Streaming DiLoCo's low-bit pseudo-gradients: a quantizing hook, ``compressor="qsgd"`` (4 bits: 7 levels and a
-sign) or ``"quantize_per_tensor"`` (8 bits).
+**Streaming DiLoCo** (Douillard et al. 2025, arXiv 2501.18512). ``fragments=F`` lays the parameters end to end
+(registration order) and cuts them into ``F`` contiguous ranges of ``N / F`` elements: at the nearest row
+boundary by default (``fragment_unit="row"``: each part of a cut parameter is whole rows of it), exactly
+(``"element"``), or between whole parameters only (``"parameter"``, as before fragments could cut one: a
+dominant tensor then sets the peak); see :mod:`gradcomm.diloco.fragments`. Fragment ``f`` syncs at the inner
+steps ``t`` with ``(t + f * H // F) % H == 0``, so the peak bandwidth falls by ``F``. Each fragment's outer
+step is DiLoCo's on its elements: its pseudo-gradients averaged, the outer optimizer stepped on its range of
+the anchors (one optimizer parameter per part, a view of the parameter's anchor: per element the same as
+before for an elementwise optimizer such as SGD with momentum; a per-tensor one, LARS or LAMB, would see parts
+as tensors), its parameters reset to them. ``overlap=tau`` lets an exchange run behind the next ``tau`` inner
+steps: it is launched at the sync step and its outer update applied ``tau`` steps later (the
+"eager"/overlapped variant; arXiv 2502.12996 studies the overlap). The synced fragment then becomes ``mixing *
+local + (1 - mixing) * global``: Streaming DiLoCo's mixing with ``alpha = mixing``; the default 0 replaces the
+local values by the new global ones, so that the replicas are identical again right after the sync (with
+``mixing > 0`` they never are, and the replica check is off). Streaming DiLoCo's low-bit pseudo-gradients: a
+quantizing hook, ``compressor="qsgd"`` (4 bits: 7 levels and a sign) or ``"quantize_per_tensor"`` (8 bits).
 
 **SparseLoCo** (arXiv 2508.15706): top-k at 1-3% density with error feedback and 2-bit quantisation of the
 pseudo-gradients. Its top-k part with error feedback is ``compressor="topk:ratio=0.02"`` (or any compression
 method of :mod:`gradcomm.compression` with error feedback; its residuals live in the hook state, keyed by
-parameter); the 2-bit quantisation of the kept values is not a method of gradcomm yet.
+parameter, or by ``name[start:stop]`` for the part of a cut parameter); the 2-bit quantisation of the kept
+values is not a method of gradcomm yet.
 
 The outer exchange is the DDP hook machinery: each fragment's pseudo-gradients are flattened per dtype into
 :class:`~gradcomm.GradBucket` buffers and reduced by the averaging allreduce or by the ``compressor`` hook
@@ -66,15 +72,15 @@ and compares the setup (``sync_every``, ``fragments``, ``overlap``, ``mixing``, 
 fragment layout, the compressor and its options) across the ranks, which all raise
 :class:`~gradcomm.RanksDisagreeError` if it differs. Right after every outer sync, the synced fragment is the
 same on every rank to the bit, checked with one small all-gather (``check_replicas=False`` turns it off);
-between syncs the replicas differ on purpose (:meth:`DiLoCo.replicas_may_differ`). A peer lost during an
-outer exchange raises :class:`~gradcomm.PeerLostError` (a failing compressor :class:`~gradcomm.CommHookError`)
-on every rank within the process group's timeout; the anchors (:meth:`DiLoCo.synced_parameters`, and
+between syncs the replicas differ on purpose (:meth:`DiLoCo.replicas_may_differ`). A peer lost during an outer
+exchange raises :class:`~gradcomm.PeerLostError` (a failing compressor :class:`~gradcomm.CommHookError`) on
+every rank within the process group's timeout; the anchors (:meth:`DiLoCo.synced_parameters`, and
 :meth:`DiLoCo.state_dict`) still hold the last synced parameters, and the DiLoCo refuses further steps.
-:meth:`DiLoCo.state_dict` holds the counters (hence the fragment schedule), the anchors, the outer optimizer,
-the compressor's state and any exchange in flight, in tensors and plain values (``torch.load(...,
-weights_only=True)``), so a resumed run equals the uninterrupted one bit for bit. Buffers (batch-norm
-statistics) are averaged at every sync of fragment 0 (see :mod:`gradcomm.diloco.buffers`), so right after it
-they too are the same on every rank (:meth:`DiLoCo.synced_buffers`).
+:meth:`DiLoCo.state_dict` holds the counters and each fragment's parts (the fragment schedule), the anchors,
+the outer optimizer, the compressor's state and any exchange in flight, in tensors and plain values
+(``torch.load(..., weights_only=True)``), so a resumed run equals the uninterrupted one bit for bit. Buffers
+(batch-norm statistics) are averaged at every sync of fragment 0 (see :mod:`gradcomm.diloco.buffers`), so
+right after it they too are the same on every rank (:meth:`DiLoCo.synced_buffers`).
 """
 
 from gradcomm.diloco.core import DiLoCo

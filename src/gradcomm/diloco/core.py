@@ -21,7 +21,7 @@ from gradcomm.diloco.exchange import FragmentExchange, PendingExchange
 from gradcomm.diloco.fragments import Fragment, split_into_fragments
 from gradcomm.diloco.groups import across_nodes_group, unwrap_ddp
 from gradcomm.diloco.runners import FragmentRunners
-from gradcomm.diloco.state import Compressor, describe_outer, load_diloco_state
+from gradcomm.diloco.state import FORMAT, Compressor, describe_outer, load_diloco_state
 from gradcomm.hooks.parameter_keys import name_parameters
 
 __all__ = ["DiLoCo"]
@@ -45,6 +45,11 @@ class DiLoCo:
         sync_every: ``H``, the inner steps between two outer syncs of a fragment (default 50: see "Defaults"
             in :mod:`gradcomm.diloco` for how it and the outer optimizer's defaults were measured).
         fragments: Streaming DiLoCo's fragments (1: plain DiLoCo).
+        fragment_unit: how the parameters, laid end to end, are cut into fragments: ``"row"`` (the default)
+            at the row boundary nearest each ``1/F`` of the elements, so each exchange carries ``1/F`` of the
+            model to within a row; ``"element"`` exactly there; ``"parameter"`` between whole parameters only
+            (as before fragments could cut a parameter; needed to resume a checkpoint written then with
+            ``fragments > 1``). See :mod:`gradcomm.diloco.fragments`.
         overlap: inner steps an outer exchange runs behind (0: the sync blocks); less than ``sync_every``.
         outer_lr, outer_momentum, nesterov: the outer optimizer, SGD; the defaults (lr 1, no momentum) make
             the outer step plain averaging of the replicas. The paper's is ``outer_lr=0.7, outer_momentum=0.9``
@@ -75,6 +80,7 @@ class DiLoCo:
         fragments: int = 1,
         overlap: int = 0,
         *,
+        fragment_unit: str = "row",
         outer_lr: float = 1.0,
         outer_momentum: float = 0.0,
         nesterov: bool = True,
@@ -106,7 +112,8 @@ class DiLoCo:
         )
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         name_parameters(module)  # keys of per-parameter compressor state (error feedback)
-        self.fragments: list[Fragment] = split_into_fragments(named, fragments, sync_every)
+        self.fragment_unit, self._named = fragment_unit, named
+        self.fragments: list[Fragment] = split_into_fragments(named, fragments, sync_every, fragment_unit)
         self._runners = FragmentRunners(
             _WHO, fragments, compressor, process_group, self._setup(outer_optimizer)
         )
@@ -116,8 +123,9 @@ class DiLoCo:
             process_group if process_group is not None else dist.group.WORLD,
         )
         self._synced_buffers = {name: b.detach().clone() for name, b in self._buffers}
+        self._full_anchors = {name: _anchor(p, anchor_device) for name, p in named}
         self.anchors: list[list[torch.Tensor]] = [
-            [_anchor(p, anchor_device) for p in fragment.params] for fragment in self.fragments
+            [part.of(self._full_anchors[part.name]) for part in fragment.parts] for fragment in self.fragments
         ]
         everything = [anchor for anchors in self.anchors for anchor in anchors]
         if outer_optimizer is not None:
@@ -136,13 +144,11 @@ class DiLoCo:
 
     def _setup(self, outer_optimizer: OuterFactory | None) -> dict[str, str]:
         """What every rank must agree on, as text (compared at construction)."""
-        layout = [
-            [f"{name}{tuple(p.shape)}:{p.dtype}" for name, p in zip(f.names, f.params, strict=True)]
-            for f in self.fragments
-        ]
+        layout = [[f"{part.key}{tuple(part.shape)}:{part.param.dtype}" for part in f.parts] for f in self.fragments]
         return {
             "sync_every": repr(self.sync_every),
             "fragments": repr(len(self.fragments)),
+            "fragment unit": repr(self.fragment_unit),
             "overlap": repr(self.overlap),
             "mixing": repr(self.mixing),
             "outer optimizer": describe_outer(outer_optimizer),
@@ -207,8 +213,9 @@ class DiLoCo:
             anchor.grad = grad.to(anchor.device)
         self.outer_optimizer.step()
         with torch.no_grad():
-            for anchor, param in zip(anchors, fragment.params, strict=True):
+            for anchor, part in zip(anchors, fragment.parts, strict=True):
                 anchor.grad = None
+                param = part.of(part.param.detach())
                 if self.mixing == 0.0:
                     param.copy_(anchor)
                 else:
@@ -223,7 +230,7 @@ class DiLoCo:
         if self.check_replicas and self.mixing == 0.0 and not self._runners[index].replicas_may_differ():
             self._settle()
             when = f"right after outer sync {self.synced_steps} (fragment {index}, inner step {self.inner_steps}),"
-            named = list(zip(fragment.names, fragment.params, strict=True))
+            named = [(part.key, part.of(part.param.detach())) for part in fragment.parts]
             if pending.buffers is not None:
                 named += self._buffers
             check_same_parameters(named, self.group, _WHO, when)
@@ -248,11 +255,7 @@ class DiLoCo:
     def synced_parameters(self) -> dict[str, torch.Tensor]:
         """The parameters as of each fragment's last outer sync (the anchors), by name, on this rank: the same
         on every rank, and intact after a failed exchange, so they can be loaded to resume."""
-        return {
-            name: anchor.detach().clone()
-            for fragment, anchors in zip(self.fragments, self.anchors, strict=True)
-            for name, anchor in zip(fragment.names, anchors, strict=True)
-        }
+        return {name: anchor.detach().clone() for name, anchor in self._full_anchors.items()}
 
     def synced_buffers(self) -> dict[str, torch.Tensor]:
         """The model's buffers as of the last sync of fragment 0 (floating ones averaged over the ranks, the
@@ -288,12 +291,13 @@ class DiLoCo:
             self._runners.fail(exc)
             raise
         return {
-            "format": "gradcomm.diloco/1",
+            "format": FORMAT,
             "setup": {
                 "sync_every": self.sync_every,
                 "fragments": len(self.fragments),
                 "overlap": self.overlap,
             },
+            "layout": [fragment.layout() for fragment in self.fragments],
             "inner_steps": self.inner_steps,
             "synced_steps": self.synced_steps,
             "synced_at": list(self._synced_at),
@@ -312,4 +316,5 @@ class DiLoCo:
         load_diloco_state(self, state_dict)
 
     def parameters(self) -> Iterable[nn.Parameter]:
-        return (p for fragment in self.fragments for p in fragment.params)
+        """The trainable parameters, each once (a split one is in several fragments), in registration order."""
+        return iter(dict.fromkeys(p for fragment in self.fragments for p in fragment.params))

@@ -1,7 +1,8 @@
 """The outer exchange of one fragment: its pseudo-gradients averaged through the DDP hook machinery.
 
 The pseudo-gradient of a parameter is its anchor (the value at the fragment's last sync) minus its current
-value. They are flattened per dtype and device into buffers, each wrapped as a :class:`~gradcomm.GradBucket`
+value (of each part of it the fragment holds: see :mod:`gradcomm.diloco.fragments`). They are flattened per
+dtype and device into buffers, each wrapped as a :class:`~gradcomm.GradBucket`
 and handed to a :class:`~gradcomm.ddp.hook_runner.HookRunner`, exactly as the DDPs hand gradient buckets:
 the default averaging allreduce, or any registered hook (a compressor, with its error feedback keyed by
 parameter). Launching and collecting are separate so that the exchange can run behind the next inner steps.
@@ -16,6 +17,7 @@ import torch
 from gradcomm.ddp.hook_runner import HookRunner
 from gradcomm.diloco.fragments import Fragment
 from gradcomm.hooks.grad_bucket import GradBucket
+from gradcomm.hooks.parameter_keys import name_tensor
 
 __all__ = ["FragmentExchange", "PendingExchange"]
 
@@ -35,11 +37,23 @@ class PendingExchange:
 
 class FragmentExchange:
     """Builds, launches and collects the buckets of one fragment's pseudo-gradients (one bucket per dtype and
-    device, numbered from 0: each fragment's exchange is one iteration of its own hook state)."""
+    device, numbered from 0: each fragment's exchange is one iteration of its own hook state).
+
+    A bucket lists, for each part of the fragment, the parameter itself where the part is a whole parameter,
+    else a view of the part registered under the part's key (``name[start:stop]``): to a compressor the part is
+    the tensor, with the part's shape and its own error-feedback residual and random stream."""
 
     def __init__(self, fragment: Fragment, anchors: list[torch.Tensor]) -> None:
         self.fragment = fragment
         self.anchors = anchors
+        self._listed: list[torch.Tensor] = []
+        for part in fragment.parts:
+            if part.whole:
+                self._listed.append(part.param)
+            else:
+                view = part.of(part.param.detach())
+                name_tensor(view, part.key)
+                self._listed.append(view)
         by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for position, param in enumerate(fragment.params):
             by_kind.setdefault((param.dtype, param.device), []).append(position)
@@ -48,22 +62,23 @@ class FragmentExchange:
         self._offsets = [[0] for _ in self.runs]
         for run, offsets in zip(self.runs, self._offsets, strict=True):
             for i in run[:-1]:
-                offsets.append(offsets[-1] + fragment.params[i].numel())
+                offsets.append(offsets[-1] + fragment.parts[i].numel)
         self._buffers: list[torch.Tensor] = []
 
     def _bucket(self, k: int) -> GradBucket:
         run, offsets = self.runs[k], self._offsets[k]
-        params = [self.fragment.params[i] for i in run]
-        lengths = [p.numel() for p in params]
-        buffer = torch.empty(sum(lengths), dtype=params[0].dtype, device=params[0].device)
+        parts = [self.fragment.parts[i] for i in run]
+        lengths = [part.numel for part in parts]
+        buffer = torch.empty(sum(lengths), dtype=parts[0].param.dtype, device=parts[0].param.device)
         with torch.no_grad():
-            for i, param, offset, length in zip(run, params, offsets, lengths, strict=True):
+            for i, part, offset, length in zip(run, parts, offsets, lengths, strict=True):
                 view = buffer[offset : offset + length]
                 view.copy_(self.anchors[i].reshape(-1))
-                view.sub_(param.detach().reshape(-1))
+                view.sub_(part.of(part.param.detach()).reshape(-1))
         is_last = k == len(self.runs) - 1
+        listed = [self._listed[i] for i in run]
         return GradBucket(
-            self.indices[k], buffer, offsets, lengths, [p.shape for p in params], params, is_last
+            self.indices[k], buffer, offsets, lengths, [part.shape for part in parts], listed, is_last
         )
 
     def launch(self, runner: HookRunner, inner_step: int, world_size: int) -> PendingExchange:
@@ -79,14 +94,15 @@ class FragmentExchange:
         return pending
 
     def collect(self, runner: HookRunner, pending: PendingExchange) -> list[torch.Tensor]:
-        """Wait for ``pending`` (once) and return the averaged pseudo-gradient of each parameter, in order."""
+        """Wait for ``pending`` (once) and return the averaged pseudo-gradient of each part, in order, shaped
+        as the part."""
         if pending.averaged is None:
             averaged: dict[int, torch.Tensor] = {}
             for k, future in enumerate(pending.futures):
                 result = runner.result(future, self.indices[k], self._buffers[k], pending.launched_at)
                 for i, offset in zip(self.runs[k], self._offsets[k], strict=True):
-                    param = self.fragment.params[i]
-                    averaged[i] = result[offset : offset + param.numel()].view_as(param)
-            pending.averaged = [averaged[i] for i in range(len(self.fragment.params))]
+                    part = self.fragment.parts[i]
+                    averaged[i] = result[offset : offset + part.numel].view(part.shape)
+            pending.averaged = [averaged[i] for i in range(len(self.fragment.parts))]
             pending.futures = []
         return pending.averaged

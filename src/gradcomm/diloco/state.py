@@ -9,14 +9,19 @@ import torch
 from torch.distributed import ProcessGroup
 
 from gradcomm.diloco.exchange import PendingExchange
+from gradcomm.diloco.fragments import split_into_fragments
 from gradcomm.hooks.registry import make_comm_hook, parse_hook_choice
 
 if TYPE_CHECKING:
     from gradcomm.diloco.core import DiLoCo
 
-__all__ = ["FORMAT", "Compressor", "compressor_hook", "describe_outer", "load_diloco_state"]
+__all__ = ["FORMAT", "WHOLE_PARAMETER_FORMAT", "Compressor", "compressor_hook", "describe_outer", "load_diloco_state"]
 
-FORMAT = "gradcomm.diloco/1"
+FORMAT = "gradcomm.diloco/2"
+"""Since fragments may cut parameters: the state records each fragment's parts (``"layout"``)."""
+WHOLE_PARAMETER_FORMAT = "gradcomm.diloco/1"
+"""Written before fragments could cut parameters: every fragment held whole parameters, split as
+``fragment_unit="parameter"`` splits them."""
 
 Pair = tuple[Any, Callable[..., Any]]
 Compressor = str | Pair | Callable[[], Pair] | None
@@ -56,18 +61,43 @@ def _refuse(what: str) -> ValueError:
     )
 
 
+def _check_layout(diloco: DiLoCo, saved: dict[str, Any]) -> None:
+    """Refuse a state whose fragments hold other parts of the parameters than ``diloco``'s. A state of
+    :data:`WHOLE_PARAMETER_FORMAT` holds none: its fragments were the ``"parameter"`` split of the model."""
+    mine = [fragment.layout() for fragment in diloco.fragments]
+    if saved["format"] == WHOLE_PARAMETER_FORMAT:
+        whole = split_into_fragments(diloco._named, len(diloco.fragments), diloco.sync_every, "parameter")
+        if [fragment.layout() for fragment in whole] != mine:
+            raise _refuse(
+                f"it was written before fragments could cut parameters (format {WHOLE_PARAMETER_FORMAT!r}): its "
+                "fragments hold whole parameters, as fragment_unit='parameter' splits them, and this DiLoCo's "
+                f"fragment_unit={diloco.fragment_unit!r} splits the model otherwise"
+            )
+        return
+    theirs = [[tuple(part) for part in fragment] for fragment in saved["layout"]]
+    for index, (a, b) in enumerate(zip(theirs, mine, strict=True)):
+        if a != b:
+            raise _refuse(
+                f"its fragment {index} holds {_describe(a)}, this DiLoCo's (fragment_unit="
+                f"{diloco.fragment_unit!r}) holds {_describe(b)}"
+            )
+
+
+def _describe(layout: list[tuple[str, int, int]], limit: int = 4) -> str:
+    shown = ", ".join(f"{name}[{start}:{stop}]" for name, start, stop in layout[:limit])
+    return f"[{shown}{', ...' if len(layout) > limit else ''}]"
+
+
 def load_diloco_state(diloco: DiLoCo, saved: dict[str, Any]) -> None:
     """Restore ``saved`` (from :meth:`DiLoCo.state_dict`) into ``diloco``, refusing another setup or model."""
-    if saved.get("format") != FORMAT:
-        raise _refuse(f"the state's format is {saved.get('format')!r}, expected {FORMAT!r}")
+    if saved.get("format") not in (FORMAT, WHOLE_PARAMETER_FORMAT):
+        raise _refuse(
+            f"the state's format is {saved.get('format')!r}, expected {FORMAT!r} (or {WHOLE_PARAMETER_FORMAT!r})"
+        )
     mine = {"sync_every": diloco.sync_every, "fragments": len(diloco.fragments), "overlap": diloco.overlap}
     if saved["setup"] != mine:
         raise _refuse(f"it was saved with {saved['setup']}, this DiLoCo has {mine}")
-    anchors = {
-        name: a
-        for f, fa in zip(diloco.fragments, diloco.anchors, strict=True)
-        for name, a in zip(f.names, fa, strict=True)
-    }
+    anchors = diloco._full_anchors
     if set(saved["anchors"]) != set(anchors):
         raise _refuse(f"its parameters {sorted(saved['anchors'])} are not this model's {sorted(anchors)}")
     for name, anchor in anchors.items():
@@ -75,6 +105,7 @@ def load_diloco_state(diloco: DiLoCo, saved: dict[str, Any]) -> None:
             raise _refuse(
                 f"parameter {name!r} has shape {tuple(saved['anchors'][name].shape)}, here {tuple(anchor.shape)}"
             )
+    _check_layout(diloco, saved)
     states = diloco._runners.states()
     saved_states = saved["compressor"]
     for index, (state, entry) in enumerate(zip(states, saved_states, strict=True)):

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["Key", "ParameterKeys", "SavedKeyCheck", "name_parameters", "parameter_name"]
+__all__ = ["Key", "ParameterKeys", "SavedKeyCheck", "name_parameters", "name_tensor", "parameter_name"]
 
 Key = str | int
 
@@ -49,6 +49,15 @@ def name_parameters(module: nn.Module, prefix: str = "") -> None:
     global _current_generation
     for name, parameter in module.named_parameters(prefix=prefix):
         _NAMES[parameter] = name
+    _current_generation = next(_generation)
+
+
+def name_tensor(tensor: torch.Tensor, name: str) -> None:
+    """Register ``name`` as the key in hook state of ``tensor``, a tensor that a bucket lists in place of a
+    parameter (DiLoCo's part of a parameter split between fragments: a view of it, keyed apart from the rest
+    of the parameter). Keep ``tensor`` alive as long as buckets list it: names are held by identity, weakly."""
+    global _current_generation
+    _NAMES[tensor] = name
     _current_generation = next(_generation)
 
 
