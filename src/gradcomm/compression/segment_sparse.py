@@ -138,7 +138,7 @@ def segment_topk(flat: torch.Tensor, budget: Budget) -> torch.Tensor:
     segments cut into :class:`Chunks` (on the CPU), all segments at once (:func:`_chunks_topk`)."""
     flat = flat.contiguous()
     chunks = budget.segments.chunks
-    if chunks is not None and flat.device.type == "cpu":
+    if chunks is not None and flat.device.type == "cpu" and len(budget.groups.runs) > 1:
         indices = _chunks_topk(flat, budget, chunks)
         if indices is not None:
             return indices

@@ -127,8 +127,8 @@ class Segments:
 
     @functools.cached_property
     def chunks(self) -> Chunks | None:
-        """The segments cut into chunks of one length, where one divides them all (cached; ``None``: no
-        such length of at least :data:`_CHUNK_MIN`, or a single segment)."""
+        """The segments cut into chunks of one length, where one divides them all and they are more than one
+        run (cached; :meth:`Chunks.of`)."""
         return Chunks.of(self)
 
     @functools.cached_property
@@ -246,7 +246,9 @@ class Chunks:
 
     @staticmethod
     def of(segments: Segments) -> Chunks | None:
-        if len(segments) < 2:
+        """The chunks of ``segments``, or ``None`` where they are one run of equal segments at one stride
+        (whose ``(count, length)`` view costs fewer calls than chunks) or no length fits."""
+        if len(segments) < 2 or (len(segments.groups.runs) == 1 and segments.groups.order is None):
             return None
         divisor = math.gcd(*segments.lengths)
         length = min(divisor & -divisor, _CHUNK_MAX)
