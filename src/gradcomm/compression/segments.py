@@ -545,12 +545,15 @@ def decode_segments(packed: torch.Tensor, segments: Segments, bits: int, tables:
 
 def _decode_by_segment(packed: torch.Tensor, bits: int, tables: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``decode_bits`` with one table per segment: a byte ``b`` of segment ``s`` reads row ``256 s + b``
-    (``offsets``: ``256 s`` as an int32 column, one row per byte or per chunk of bytes)."""
+    (``offsets``: ``256 s`` in int32, one per byte, or a column of one per chunk of bytes)."""
     codes_per_byte = 8 // bits
     patterns = _byte_patterns(bits, packed.device)
     table = tables[:, patterns].reshape(-1, codes_per_byte) if bits < 8 else tables.reshape(-1, 1)
-    rows = packed.reshape(offsets.shape[0], -1).to(torch.int32).add_(offsets)
-    return gather_rows(table, rows.view(-1)).reshape(-1)
+    if offsets.dim() == 2:
+        rows = packed.view(offsets.shape[0], -1).to(torch.int32).add_(offsets).view(-1)
+    else:
+        rows = packed.to(torch.int32).add_(offsets)
+    return gather_rows(table, rows).reshape(-1)
 
 
 @functools.lru_cache(maxsize=16)
@@ -560,7 +563,7 @@ def _byte_patterns(bits: int, device: torch.device) -> torch.Tensor:
 
 
 def _byte_offsets(segments: Segments, bits: int) -> torch.Tensor:
-    """``256 *`` each packed byte's segment (in the layout padded to 8 codes), an int32 column: one row per
+    """``256 *`` each packed byte's segment (in the layout padded to 8 codes), in int32: a column of one per
     chunk where the segments cut into :class:`Chunks` (their bytes, too, are chunks of one length), else one
     per byte (cached)."""
     if segments.chunks is not None:
@@ -568,7 +571,7 @@ def _byte_offsets(segments: Segments, bits: int) -> torch.Tensor:
     cache = segments.__dict__.setdefault("_byte_offsets", {})
     if bits not in cache:
         lengths = segments.lengths if bits == 8 else [n * bits // 8 for n in segments.padded(8).lengths]
-        cache[bits] = _ids(lengths, segments.device).to(torch.int32).mul_(256).unsqueeze(1)
+        cache[bits] = _ids(lengths, segments.device).to(torch.int32).mul_(256)
     return cache[bits]
 
 
