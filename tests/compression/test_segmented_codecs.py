@@ -123,7 +123,14 @@ _SPARSE_BUCKETS = {
     **{layout: lambda lengths=lengths: _bucket(0, lengths) for layout, lengths in LAYOUTS.items()},
     "mostly-zero": lambda: _mostly_zero(CHUNKED, 0.03),  # a zero threshold, enough nonzero elements
     "too-few-nonzero": lambda: _mostly_zero(CHUNKED, 0.002),  # fewer than k: chosen run by run
+    "infinite": lambda: _with_infinity(CHUNKED),  # ties with the padding of the rows of smaller budgets
 }
+
+
+def _with_infinity(lengths: tuple[int, ...]) -> tuple[list[torch.Tensor], Segments, torch.Tensor]:
+    tensors, segments, flat = _bucket(8, lengths)
+    tensors[1][5] = -torch.inf
+    return tensors, segments, torch.cat(tensors)
 
 
 @pytest.mark.parametrize("bucket", _SPARSE_BUCKETS)
