@@ -83,7 +83,7 @@ class _Sampling:
         self.candidates_few = 64 * budget.total <= segments.numel
         widest = max(budget.ks)
         self.keep: torch.Tensor | None = None  # of each row's sorted top ``widest``, the first ``k[s]``
-        self.filler: torch.Tensor | None = None  # of ``widest`` places after a row, those of infinities
+        self.filler: torch.Tensor | None = None  # of ``widest`` places after a row, those of padding
         if min(budget.ks) != widest:
             kept = torch.arange(widest, device=device) < self.ks.unsqueeze(1)
             self.keep = kept.reshape(-1).nonzero().squeeze(1)
@@ -126,21 +126,21 @@ def _chunks_topk(flat: torch.Tensor, budget: Budget, chunks: Chunks) -> torch.Te
         packed = magnitudes.new_full((count * width,), -1.0).index_copy_(0, slots, values).view(count, width)
         chosen = packed.topk(budget.ks[0], dim=1, sorted=False).indices.add_(first.unsqueeze(1)).view(-1)
         return found.index_select(0, chosen)
-    # budgets differ: each row padded with ``max(k) - k[s]`` infinities after its candidates, so that one
-    # unsorted top ``max(k)`` of every row holds them and the row's top ``k[s]``, told apart by column
-    # (a sorted top ``max(k)`` cost more than the rest together). An infinite or NaN candidate would tie
-    # with them: then sorted.
+    # budgets differ: each row padded with ``max(k) - k[s]`` NaNs after its candidates, so that one unsorted top
+    # ``max(k)`` of every row (NaN counting as largest) holds them and the row's top ``k[s]``, told apart by
+    # column: a sorted top ``max(k)`` cost more than the rest of the selection together. A row of more than
+    # ``k[s]`` NaN candidates (whose choice among NaNs could leave some padding out) is chosen sorted.
     deepest = max(budget.ks)
-    if bool(torch.isfinite(values).all()):
-        wide = width + deepest
-        slots.add_(segment, alpha=deepest)  # rows of ``wide`` places
-        packed = magnitudes.new_full((count, wide), -1.0)
-        packed[:, width:].masked_fill_(sampling.filler, torch.inf)
-        packed.view(-1).index_copy_(0, slots, values)
-        chosen = packed.topk(deepest, dim=1, sorted=False).indices
-        candidates = chosen < width
-        return found.index_select(0, chosen.add_(first.unsqueeze(1)).masked_select(candidates))
-    packed = magnitudes.new_full((count * width,), -1.0).index_copy_(0, slots, values).view(count, width)
+    slots.add_(segment, alpha=deepest)  # rows of ``width + deepest`` places
+    packed = magnitudes.new_full((count, width + deepest), -1.0)
+    packed[:, width:].masked_fill_(sampling.filler, torch.nan)
+    packed.view(-1).index_copy_(0, slots, values)
+    chosen = packed.topk(deepest, dim=1, sorted=False).indices
+    candidates = chosen < width
+    chosen = chosen.add_(first.unsqueeze(1)).masked_select(candidates)
+    if chosen.numel() == budget.total:
+        return found.index_select(0, chosen)
+    packed = packed[:, :width].nan_to_num(nan=torch.inf)  # real NaNs as the largest, the padding left out
     chosen = packed.topk(deepest, dim=1, sorted=True).indices.add_(first.unsqueeze(1))
     return found.index_select(0, chosen.view(-1).index_select(0, sampling.keep))
 

@@ -260,7 +260,7 @@ class Chunks:
 
     def column(self, per_segment: torch.Tensor) -> torch.Tensor:
         """Each chunk's segment's value, as a ``(count, 1)`` column."""
-        return per_segment.reshape(-1).index_select(0, self.ids).unsqueeze(1)
+        return per_segment.index_select(0, self.ids).view(-1, 1)
 
     @functools.cached_property
     def byte_offsets(self) -> torch.Tensor:
@@ -282,7 +282,7 @@ class Chunks:
             partial = _REDUCTIONS[reduce](rows, dim=1)
             return partial.new_empty(segments).scatter_reduce_(0, self.ids, partial, "a" + reduce, include_self=False)
         sums = rows.sum(dim=1, dtype=torch.float32 if values.element_size() < 4 else None).double()
-        total = sums.new_zeros(segments).index_add_(0, self.ids, sums)
+        total = torch.zeros(segments, dtype=torch.float64, device=values.device).index_add_(0, self.ids, sums)
         if reduce == "mean":
             total.div_(self._lengths)
         return total.to(values.dtype)
