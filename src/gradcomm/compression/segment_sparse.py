@@ -1,8 +1,8 @@
 """Per-tensor budgets in a segmented bucket: ``k[s]`` elements of every segment (top-k, DGC, random-k).
 
 :func:`segment_topk` chooses every tensor's ``k`` largest magnitudes row-wise on strided runs of equal tensors
-(:class:`~gradcomm.compression.segments.Groups`), so its calls grow with the runs of equal shapes, not with
-the tensors.
+(:class:`~gradcomm.compression.segments.Groups`) where they are few, else all at once on the bucket's
+:class:`~gradcomm.compression.segments.Chunks`: its calls are bounded whatever the tensors and their shapes.
 """
 
 from __future__ import annotations
@@ -57,6 +57,11 @@ class Budget:
         for place, element in enumerate(order):
             inverse[element] = place
         return torch.tensor(inverse, dtype=torch.int64, device=self.segments.device)
+
+
+_FEW_RUNS = 3
+"""Up to this many runs of equal segments and budgets, :func:`segment_topk` chooses run by run (fewer calls and
+less CPU time than chunks); beyond, in chunks, in calls that do not grow with the runs."""
 
 
 class _Sampling:
@@ -150,11 +155,12 @@ def segment_topk(flat: torch.Tensor, budget: Budget) -> torch.Tensor:
     segment, each segment's in no order. Segments of one length and budget at one stride are chosen together
     (row-wise on a strided view, :func:`_rows_topk`), so the calls grow with the number of runs of equal
     shapes (:class:`Groups`), not of tensors; a segment alone goes
-    :func:`~gradcomm.compression._numerics.top_magnitudes`' way (the same set as ``torch.topk``'s). Where the
-    segments cut into :class:`Chunks` (on the CPU), all segments at once (:func:`_chunks_topk`)."""
+    :func:`~gradcomm.compression._numerics.top_magnitudes`' way (the same set as ``torch.topk``'s). Beyond
+    :data:`_FEW_RUNS` runs, where the segments cut into :class:`Chunks` (on the CPU), all segments at once
+    (:func:`_chunks_topk`)."""
     flat = flat.contiguous()
     chunks = budget.segments.chunks
-    if chunks is not None and flat.device.type == "cpu" and len(budget.groups.runs) > 1:
+    if chunks is not None and flat.device.type == "cpu" and len(budget.groups.runs) > _FEW_RUNS:
         indices = _chunks_topk(flat, budget, chunks)
         if indices is not None:
             return indices
