@@ -2,8 +2,9 @@
 
 A compressor that works on a :class:`Segments` layout encodes a whole bucket at once while keeping each
 tensor's own statistics (scales, norms, maxima, budgets, random draws): per-tensor values come from
-segmented operations (``torch.segment_reduce``, a gather by segment index), so the number of torch calls per
-bucket does not grow with its number of tensors (budgets and top-k: :mod:`~gradcomm.compression.segment_sparse`;
+row-wise operations on the bucket cut into chunks that never cross a tensor (:class:`Chunks`), or on runs of
+equal tensors (:class:`Groups`), so the number of torch calls per bucket does not grow with its number of
+tensors (budgets and top-k: :mod:`~gradcomm.compression.segment_sparse`;
 random bits: :mod:`~gradcomm.compression.segment_noise`). The index tensors these need (each element's segment, its
 place in a layout where every segment is padded to a multiple, each packed byte's segment) are computed
 once per layout and kept on the :class:`Segments` object, which the hook keeps per bucket layout.
@@ -36,6 +37,7 @@ from gradcomm.compression._numerics import (
 from gradcomm.compression._numerics.reductions import _plain_is_exact
 
 __all__ = [
+    "Chunks",
     "Groups",
     "Segments",
     "as_dtype",
