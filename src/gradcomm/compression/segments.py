@@ -2,8 +2,9 @@
 
 A compressor that works on a :class:`Segments` layout encodes a whole bucket at once while keeping each
 tensor's own statistics (scales, norms, maxima, budgets, random draws): per-tensor values come from
-segmented operations (``torch.segment_reduce``, a gather by segment index), so the number of torch calls per
-bucket does not grow with its number of tensors (budgets and top-k: :mod:`~gradcomm.compression.segment_sparse`;
+row-wise operations on the bucket cut into chunks that never cross a tensor (:class:`Chunks`), or on runs of
+equal tensors (:class:`Groups`), so the number of torch calls per bucket does not grow with its number of
+tensors (budgets and top-k: :mod:`~gradcomm.compression.segment_sparse`;
 random bits: :mod:`~gradcomm.compression.segment_noise`). The index tensors these need (each element's segment, its
 place in a layout where every segment is padded to a multiple, each packed byte's segment) are computed
 once per layout and kept on the :class:`Segments` object, which the hook keeps per bucket layout.
@@ -17,6 +18,7 @@ on its own (:func:`pack_segments`, :func:`decode_segments`), and random bits key
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -35,6 +37,7 @@ from gradcomm.compression._numerics import (
 from gradcomm.compression._numerics.reductions import _plain_is_exact
 
 __all__ = [
+    "Chunks",
     "Groups",
     "Segments",
     "as_dtype",
@@ -105,8 +108,11 @@ class Segments:
         """One value per segment broadcast to its elements (``per_segment`` flat, of ``len(self)`` values)."""
         if len(self) == 1:
             return per_segment.reshape(1).expand(self.numel)
+        chunks = self.chunks
+        if chunks is not None:
+            return chunks.column(per_segment).expand(chunks.count, chunks.length).reshape(-1)
         groups = self.groups
-        if len(groups.runs) > _MAX_RUNS:
+        if len(groups.runs) > _MAX_RUNS or self.numel <= _SMALL:
             return per_segment.index_select(0, self.ids)
         out = per_segment.new_empty(self.numel)
         for rows, values in zip(groups.rows(out), groups.per_run(per_segment), strict=True):
@@ -120,6 +126,12 @@ class Segments:
         if key not in cache:
             cache[key] = Segments(key, self.keys, self.shapes, self.dtype, self.device)
         return cache[key]
+
+    @functools.cached_property
+    def chunks(self) -> Chunks | None:
+        """The segments cut into chunks of one length, where one divides them all and they are more than one
+        run (cached; :meth:`Chunks.of`)."""
+        return Chunks.of(self)
 
     @functools.cached_property
     def groups(self) -> Groups:
@@ -211,6 +223,73 @@ def _ids(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
 _MAX_RUNS = 16
 """Up to this many runs, a per-segment value is broadcast run by run; beyond, by one gather by segment."""
 
+_SMALL = 1 << 16
+"""Layouts of at most this many elements (top-k's chosen values, say) are broadcast by one gather by segment:
+its index costs less than a call per run."""
+
+_CHUNK_MAX = 1024
+_CHUNK_MIN = 32
+
+
+class Chunks:
+    """Segments whose lengths are all multiples of one power of two, ``length`` (at most
+    :data:`_CHUNK_MAX`): the flat tensor is one ``(count, length)`` matrix whose rows (chunks) never cross a
+    segment boundary, each segment a block of consecutive rows. A per-segment reduction is a row-wise one
+    then a reduction of the few row results by segment, a per-segment value broadcasts as one column
+    (``(count, 1)``), so the calls are the same whatever the number of segments, their shapes and their
+    arrangement, and every pass is one vectorised call over the whole bucket (real models' weights are
+    multiples of 512 or 1024 elements; runs of equal shapes, :class:`Groups`, serve the other layouts)."""
+
+    def __init__(self, segments: Segments, length: int):
+        self.segments = segments
+        self.length = length
+        self.count = segments.numel // length
+        self.ids = _ids([n // length for n in segments.lengths], segments.device)
+
+    @staticmethod
+    def of(segments: Segments) -> Chunks | None:
+        """The chunks of ``segments``, or ``None`` where they are one run of equal segments at one stride
+        (whose ``(count, length)`` view costs fewer calls than chunks) or no length fits."""
+        if len(segments) < 2 or (len(segments.groups.runs) == 1 and segments.groups.order is None):
+            return None
+        divisor = math.gcd(*segments.lengths)
+        length = min(divisor & -divisor, _CHUNK_MAX)
+        return Chunks(segments, length) if length >= _CHUNK_MIN else None
+
+    def rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (laid out as the segments, contiguous) as a ``(count, length)`` view."""
+        return flat.view(self.count, self.length)
+
+    def column(self, per_segment: torch.Tensor) -> torch.Tensor:
+        """Each chunk's segment's value, as a ``(count, 1)`` column."""
+        return per_segment.index_select(0, self.ids).view(-1, 1)
+
+    @functools.cached_property
+    def byte_offsets(self) -> torch.Tensor:
+        """``256 *`` each chunk's segment, an int32 column: the first row of a segment's table of byte
+        patterns in :func:`_decode_by_segment`."""
+        return self.ids.to(torch.int32).mul_(256).unsqueeze(1)
+
+    @functools.cached_property
+    def _lengths(self) -> torch.Tensor:
+        return torch.tensor(self.segments.lengths, dtype=torch.float64, device=self.segments.device)
+
+    def reduce(self, values: torch.Tensor, reduce: str) -> torch.Tensor:
+        """One ``reduce`` per segment of contiguous flat ``values``: row-wise, then the rows' results by
+        segment. Sums and means add float32 sums of blocks of 32 elements in float64 (no less accurate than one float32
+        sum of each segment: measured in docs/notes/2026-11-28-segmented-codecs.md), and the same in any
+        layout (:func:`_block_sums`)."""
+        rows = self.rows(values)
+        segments = len(self.segments)
+        if reduce in ("max", "min"):
+            partial = _REDUCTIONS[reduce](rows, dim=1)
+            return partial.new_empty(segments).scatter_reduce_(0, self.ids, partial, "a" + reduce, include_self=False)
+        sums = _block_sums(rows)
+        total = torch.zeros(segments, dtype=torch.float64, device=values.device).index_add_(0, self.ids, sums)
+        if reduce == "mean":
+            total.div_(self._lengths)
+        return total.to(values.dtype)
+
 
 class Groups:
     """Segments of one length (and budget, for :class:`Budget`), in runs at one stride in the flat tensor: a
@@ -273,8 +352,14 @@ class Groups:
         """``out`` (flat, laid out as the segments) holding ``fn(*rows, *columns)`` run by run: ``rows``, each
         flat input's ``(count, length)`` view of the run, ``columns``, each per-segment value of the run's
         segments as a ``(count, 1)`` column, so that ``fn`` broadcasts as row-wise code does (no per-element
-        copy of a per-segment value). Beyond :data:`_MAX_RUNS` runs, one call on the whole tensor as one row
-        with the values expanded to it."""
+        copy of a per-segment value). Where the segments cut into :class:`Chunks`, one call on the chunks with
+        the values as columns; beyond :data:`_MAX_RUNS` runs, one call on the whole tensor as one row with the
+        values expanded to it."""
+        chunks = self.segments.chunks
+        if chunks is not None:
+            columns = [chunks.column(v) for v in per_segment]
+            chunks.rows(out).copy_(fn(*(chunks.rows(x.contiguous()) for x in inputs), *columns))
+            return out
         if len(self.runs) > _MAX_RUNS:
             columns = [self.segments.expand(v).unsqueeze(0) for v in per_segment]
             out.view(1, -1).copy_(fn(*(x.view(1, -1) for x in inputs), *columns))
@@ -295,6 +380,11 @@ class Groups:
         """As :meth:`rowwise`, for an ``fn(target, *rows, *columns)`` that writes its result into ``target``
         (``out``'s view of the run: an ``out=`` argument, or in place), with no result to copy there. ``out``
         may be one of ``inputs`` (elementwise operations, in place)."""
+        chunks = self.segments.chunks
+        if chunks is not None:
+            columns = [chunks.column(v) for v in per_segment]
+            fn(chunks.rows(out), *(chunks.rows(x.contiguous()) for x in inputs), *columns)
+            return out
         if len(self.runs) > _MAX_RUNS:
             columns = [self.segments.expand(v).unsqueeze(0) for v in per_segment]
             fn(out.view(1, -1), *(x.view(1, -1) for x in inputs), *columns)
@@ -334,16 +424,49 @@ def _arithmetic_runs(positions: list[int], starts: Sequence[int], length: int) -
 
 _REDUCTIONS = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}
 
+_BLOCK = 32
+"""A segment whose length is a multiple of this many elements is summed as float32 sums of its blocks of
+this many, added in float64 (:func:`_block_sums`), whatever its layout."""
+
+
+def _block_sums(rows: torch.Tensor) -> torch.Tensor:
+    """Sums of the rows of a 2-D ``rows`` (each a multiple of :data:`_BLOCK` long, inner dimension
+    contiguous), in float64: float32 sums of blocks of :data:`_BLOCK` (vectorised, as fast as one float32
+    sum), added in float64. A segment's sum depends on its elements alone, not on how a layout cuts it
+    (chunks, rows of a run, a single tensor), but for a tie in the last float64 bit."""
+    count, length = rows.shape
+    blocks = rows.unflatten(1, (length // _BLOCK, _BLOCK)).sum(dim=2, dtype=_accumulation(rows.dtype))
+    return blocks.sum(dim=1, dtype=torch.float64)
+
+
+def _accumulation(dtype: torch.dtype) -> torch.dtype | None:
+    return torch.float32 if dtype.itemsize < 4 else None
+
+
+def _sums(rows: torch.Tensor, reduce: str) -> torch.Tensor:
+    """Row sums or means of a 2-D ``rows``, in its dtype: by blocks (:func:`_block_sums`) where the rows are a
+    multiple of :data:`_BLOCK` long, else float32 row sums (or means)."""
+    length = rows.shape[1]
+    if length % _BLOCK or not rows.dtype.is_floating_point:
+        return _REDUCTIONS[reduce](rows, dim=1)
+    sums = _block_sums(rows)
+    return (sums.div_(length) if reduce == "mean" else sums).to(rows.dtype)
+
 
 def segment_reduce(values: torch.Tensor, reduce: str, segments: Segments) -> torch.Tensor:
     """One ``reduce`` (``"sum"``, ``"mean"``, ``"max"``, ``"min"``) per segment of flat ``values``: row-wise
-    reductions of strided views, one per run of equal segments (:class:`Groups`); a single segment is
-    reduced by the plain reduction (the same bits as before segments)."""
+    reductions of chunks (:class:`Chunks`) where the segments cut into them, else of strided views, one per
+    run of equal segments (:class:`Groups`), else (a single segment) of the whole. Sums and means of segments
+    a multiple of :data:`_BLOCK` long are the same in every layout (:func:`_block_sums`)."""
     function = _REDUCTIONS[reduce]
+    summed = reduce in ("sum", "mean")
     if len(segments) == 1:
-        return function(values).reshape(1)
+        return _sums(values.view(1, -1), reduce) if summed else function(values).reshape(1)
+    if segments.chunks is not None:
+        return segments.chunks.reduce(values.contiguous(), reduce)
     groups = segments.groups
-    return groups.in_order([function(rows, dim=1) for rows in groups.rows(values.contiguous())])
+    rows = groups.rows(values.contiguous())
+    return groups.in_order([_sums(r, reduce) if summed else function(r, dim=1) for r in rows])
 
 
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -433,9 +556,10 @@ def unpack_scaled_signs(payload: Sequence[torch.Tensor], segments: Segments) -> 
 def decode_segments(packed: torch.Tensor, segments: Segments, bits: int, tables: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_segments`, each code replaced by its value: ``tables[segment, code]`` with one
     row of ``2**bits`` values per segment (or one row for all). A lookup per byte, as ``decode_bits``."""
+    per_segment = tables.dim() == 2 and tables.shape[0] > 1
     if bits == 8:  # a byte is a code, and segments are not padded
-        if tables.dim() == 2 and tables.shape[0] > 1:
-            return _decode_by_segment(packed, 8, tables, segments.ids)
+        if per_segment:
+            return _decode_by_segment(packed, 8, tables, _byte_offsets(segments, 8))
         return decode_bits(packed, 8, segments.numel, tables.reshape(-1))
     padded = segments.padded(8)
     if not padded.aligned:  # each segment's bytes at a multiple of 8 codes
@@ -445,19 +569,23 @@ def decode_segments(packed: torch.Tensor, segments: Segments, bits: int, tables:
     if 8 % bits:  # codes straddling bytes: unpacked, then looked up (one table)
         codes = unpack_bits(bytes_, bits, padded.numel).to(torch.int64)
         decoded = tables.reshape(-1).index_select(0, codes)
-    elif tables.dim() == 1 or tables.shape[0] == 1:
+    elif not per_segment:
         decoded = decode_bits(bytes_, bits, padded.numel, tables.reshape(-1))
     else:
-        decoded = _decode_by_segment(bytes_, bits, tables, _byte_ids(segments, bits))
+        decoded = _decode_by_segment(bytes_, bits, tables, _byte_offsets(segments, bits))
     return padded.unpad(decoded)
 
 
-def _decode_by_segment(packed: torch.Tensor, bits: int, tables: torch.Tensor, byte_ids: torch.Tensor) -> torch.Tensor:
-    """``decode_bits`` with one table per segment: byte ``b`` of segment ``s`` reads row ``256 s + b``."""
+def _decode_by_segment(packed: torch.Tensor, bits: int, tables: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``decode_bits`` with one table per segment: a byte ``b`` of segment ``s`` reads row ``256 s + b``
+    (``offsets``: ``256 s`` in int32, one per byte, or a column of one per chunk of bytes)."""
     codes_per_byte = 8 // bits
     patterns = _byte_patterns(bits, packed.device)
     table = tables[:, patterns].reshape(-1, codes_per_byte) if bits < 8 else tables.reshape(-1, 1)
-    rows = packed.to(torch.int64).add_(byte_ids, alpha=256)
+    if offsets.dim() == 2:
+        rows = packed.view(offsets.shape[0], -1).to(torch.int32).add_(offsets).view(-1)
+    else:
+        rows = packed.to(torch.int32).add_(offsets)
     return gather_rows(table, rows).reshape(-1)
 
 
@@ -467,18 +595,23 @@ def _byte_patterns(bits: int, device: torch.device) -> torch.Tensor:
     return (byte >> torch.arange(0, 8, bits, device=device)) & ((1 << bits) - 1)
 
 
+def _byte_offsets(segments: Segments, bits: int) -> torch.Tensor:
+    """``256 *`` each packed byte's segment (in the layout padded to 8 codes), in int32: a column of one per
+    chunk where the segments cut into :class:`Chunks` (their bytes, too, are chunks of one length), else one
+    per byte (cached)."""
+    if segments.chunks is not None:
+        return segments.chunks.byte_offsets
+    cache = segments.__dict__.setdefault("_byte_offsets", {})
+    if bits not in cache:
+        lengths = segments.lengths if bits == 8 else [n * bits // 8 for n in segments.padded(8).lengths]
+        cache[bits] = _ids(lengths, segments.device).to(torch.int32).mul_(256)
+    return cache[bits]
+
+
 def _kept_bytes(segments: Segments, bits: int) -> torch.Tensor:
     """Of the bytes of the layout padded to 8 codes, those :func:`pack_segments` keeps (cached)."""
     cache = segments.__dict__.setdefault("_kept_bytes", {})
     if bits not in cache:
         kept = packed_lengths(segments.lengths, bits)
         cache[bits] = _placement(kept, [n * bits // 8 for n in segments.padded(8).lengths], segments.device)
-    return cache[bits]
-
-
-def _byte_ids(segments: Segments, bits: int) -> torch.Tensor:
-    """Each byte's segment, in the layout padded to 8 codes (cached)."""
-    cache = segments.__dict__.setdefault("_byte_ids", {})
-    if bits not in cache:
-        cache[bits] = _ids([n * bits // 8 for n in segments.padded(8).lengths], segments.device)
     return cache[bits]

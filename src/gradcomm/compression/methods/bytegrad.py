@@ -71,7 +71,7 @@ class ByteGrad(
         # a convex combination (it cannot overflow) of each segment's 256 code values, then one lookup per code
         values = as_dtype(low.unsqueeze(1) * (1 - position) + high.unsqueeze(1) * position, segments.dtype)
         groups = segments.groups
-        if len(segments) == 1 or len(groups.runs) > 16:
+        if len(segments) == 1 or segments.chunks is not None or len(groups.runs) > 16:
             return decode_segments(codes, segments, 8, values)
         out = torch.empty(segments.numel, dtype=segments.dtype, device=codes.device)
         tables = groups.per_run(values)
