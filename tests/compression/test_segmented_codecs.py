@@ -287,3 +287,50 @@ def test_strided_gradients_compensate_as_contiguous_ones(distinct):
     for name in names:
         for step, (got, want) in enumerate(results[name]):
             assert torch.equal(got, want), (name, step)
+
+
+# -- a bucket layout's workspace: reused every step, never by two calls at once ---------------------------------
+def _overlapping_calls(names: list[str], reuse_busy: bool) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Two calls of one bucket layout before either is waited for, against the same two calls one after the
+    other; ``reuse_busy``: the busy workspace is reused anyway (what the guard prevents)."""
+    from gradcomm.hooks import compression_hook
+    from gradcomm.hooks.grad_bucket import GradBucket
+    from gradcomm.hooks.registry import make_comm_hook
+    from gradcomm.testing.op_count import many_tensor_bucket
+
+    if reuse_busy:
+        def workspace(plan, state, world_size):
+            work = plan.workspaces.get(world_size) or compression_hook._Workspace(plan, state, world_size)
+            plan.workspaces[world_size] = work
+            work.busy = True
+            return work
+
+        compression_hook._Plan.workspace = workspace
+    rank = dist.get_rank()
+    first = many_tensor_bucket(9, seed=rank)
+    lengths = [gradient.numel() for gradient in first.gradients()]
+    shapes = [gradient.shape for gradient in first.gradients()]
+
+    def bucket(seed: int) -> GradBucket:
+        values = many_tensor_bucket(9, seed=seed).buffer() * (seed + 1)
+        offsets = [sum(lengths[:i]) for i in range(9)]
+        return GradBucket(0, values, offsets, lengths, shapes, first.parameters(), is_last=True)
+
+    out: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for name in names:
+        (hook, state), (reference, reference_state) = (
+            make_comm_hook(name, process_group=dist.group.WORLD) for _ in range(2)
+        )
+        seeds = (10 + rank, 20 + rank)
+        wanted = [reference(reference_state, bucket(seed)).wait().clone() for seed in seeds]
+        futures = [hook(state, bucket(seed)) for seed in seeds]
+        out[name] = [(future.wait().clone(), want) for future, want in zip(futures, wanted, strict=True)]
+    return out
+
+
+@pytest.mark.parametrize("name", ["signsgd", "randomk", "topk", "bytegrad"])
+def test_a_call_before_the_last_one_is_assembled_gets_its_own_workspace(name):
+    """A caller may call the hook for a bucket layout again before waiting for the last call's future; the
+    second call then must not write into the buffers the first one is still exchanging through."""
+    for got, want in (pair for rank in run_on_ranks(_overlapping_calls, 2, args=([name], False), timeout=120) for pair in rank[name]):
+        assert torch.equal(got, want), name

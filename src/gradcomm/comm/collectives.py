@@ -276,7 +276,9 @@ def reduce_scatter_tensor(
     return future_of(work, output)
 
 
-def all_to_all_single(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.futures.Future[torch.Tensor]:
+def all_to_all_single(
+    tensor: torch.Tensor, group: ProcessGroup | None = None, out: torch.Tensor | None = None
+) -> torch.futures.Future[torch.Tensor]:
     """Send chunk ``j`` of ``tensor`` (``world_size`` equal chunks along dim 0) to rank ``j``; the future holds
     the chunks received, ordered by source rank, in a tensor shaped like ``tensor``.
 
@@ -284,7 +286,8 @@ def all_to_all_single(tensor: torch.Tensor, group: ProcessGroup | None = None) -
     :func:`all_gather_into_tensor` and for the same reason, only more so: gloo's all-to-all sends a whole
     chunk before posting the matching receive, so the later rank's "ready to receive" waits behind all of its
     data (measured in ``docs/notes/2026-11-24-hooks-at-the-link-floor.md``, "Receives before sends").
-    Counted as one collective."""
+    Counted as one collective. ``out``: a contiguous tensor shaped like ``tensor`` to receive into (a buffer
+    reused every step), else a new one."""
     world_size = group_size(group)
     if tensor.shape[0] % world_size:
         raise ValueError(
@@ -292,8 +295,8 @@ def all_to_all_single(tensor: torch.Tensor, group: ProcessGroup | None = None) -
             "chunks; pad it to a multiple of the world size"
         )
     _record("all_to_all", group, tensor)
-    source = tensor.contiguous()
-    output = torch.empty_like(source)
+    source = tensor if tensor.is_contiguous() else tensor.contiguous()
+    output = torch.empty_like(source) if out is None else out
     if not _exchanges(source, group):
         return future_of(dist.all_to_all_single(output, source, group=group, async_op=True), output)
     rows, received = source.view(world_size, -1), output.view(world_size, -1)

@@ -35,7 +35,7 @@ from gradcomm.compression.base import Compressor, Payload, RowwiseCompressor, Se
 from gradcomm.compression.memory import Memory, NoMemory
 from gradcomm.compression.row_layout import RowLayout
 from gradcomm.compression.segments import Segments
-from gradcomm.compression.wire import GatherWire, PartLayout, SumWire, Wire
+from gradcomm.compression.wire import GatherWire, PartLayout, SumWire, TwoStageWire, Wire
 
 __all__ = [
     "ALLGATHER",
@@ -152,6 +152,12 @@ class Communicator(ABC):
         """Compress ``tensor`` for this exchange, with ``memory``'s error feedback."""
         payload, ctx = compensated_compress(compressor, memory, key, tensor)
         return Message(key, compressor, payload, ctx)
+
+    def payload_layout(
+        self, compressor: SegmentedCompressor, segments: Segments, world_size: int
+    ) -> list[PartLayout]:
+        """The payload of a bucket of ``segments`` as :meth:`encode_segments` encodes it."""
+        return compressor.payload_layout(segments.lengths, segments.dtype)
 
     def wire(self, layout: Sequence[PartLayout], world_size: int, device: torch.device, name: str) -> Wire | None:
         """Buffers for exchanging payloads of ``layout`` (every part of a batch, in order) step after step
@@ -381,9 +387,9 @@ def _all_gather(flat: torch.Tensor, group: ProcessGroup | None, out: torch.Tenso
     return lambda: comm.all_gather_into_tensor(flat, group, out)
 
 
-def _all_to_all(rows: torch.Tensor, group: ProcessGroup | None) -> Launch:
+def _all_to_all(rows: torch.Tensor, group: ProcessGroup | None, out: torch.Tensor | None = None) -> Launch:
     """Send row ``j`` of ``rows`` to rank ``j``; the future holds the rows received, one per source rank."""
-    return lambda: comm.all_to_all_single(rows, group)
+    return lambda: comm.all_to_all_single(rows, group, out)
 
 
 @dataclass(frozen=True, eq=False)
@@ -437,6 +443,44 @@ class TwoStageAllreduce(Communicator):
             memory.discard_segments(segments)
             raise
         return Message(segments.keys, SegmentCodec(compressor, segments), payload, _SegmentedRows(layout, ctx))  # type: ignore[arg-type]
+
+    def payload_layout(
+        self, compressor: SegmentedCompressor, segments: Segments, world_size: int
+    ) -> list[PartLayout]:
+        return compressor.payload_layout(RowLayout.of(segments, world_size).rows.lengths, segments.dtype)
+
+    def wire(self, layout: Sequence[PartLayout], world_size: int, device: torch.device, name: str) -> Wire | None:
+        """Stage 1's rows and stage 2's row: a row's payload is each part's share of the rows' (a bucket of
+        rows of one layout splits into equal rows, :class:`~gradcomm.compression.base.
+        SegmentedRowwiseCompressor`)."""
+        row = [(numel // world_size, dtype) for numel, dtype in layout]
+        return TwoStageWire(layout, row, world_size, device, name)
+
+    def _exchange_wired(
+        self, message: Message, group: ProcessGroup | None, memory: Memory, launcher: OrderedLauncher, wire: TwoStageWire
+    ) -> torch.futures.Future[list[torch.Tensor]]:
+        """:meth:`_exchange_segments` through ``wire``'s buffers."""
+        world_size = comm.group_size(group)
+        compressor = message.compressor.compressor  # type: ignore[attr-defined]
+        layout, ctx = message.ctx.layout, message.ctx.ctx
+        server_memory = memory if self.server_error_feedback else NoMemory()
+        wire.load(message.payload)
+        send = wire.scatter.send
+        received = launcher.launch(_all_to_all(send, group, wire.scatter.receive), send.device)
+
+        def reduce(fut: torch.futures.Future[torch.Tensor]) -> Launch:
+            fut.value()
+            decoded = compressor.decompress_segments(wire.scatter.unpack(), ctx, layout.rows)
+            mean = decoded if world_size == 1 else ordered_mean(decoded.view(world_size, -1).unbind(0), world_size)
+            payload, _ = compensated_compress_segments(compressor, server_memory, layout.row, mean, owned=True)
+            wire.gather.load(payload)
+            return _all_gather(wire.gather.send, group, wire.gather.receive)
+
+        def decompress(fut: torch.futures.Future[torch.Tensor]) -> list[torch.Tensor]:
+            fut.value()
+            return [layout.join(compressor.decompress_segments(wire.gather.unpack(), ctx, layout.rows))]
+
+        return launcher.launch_after(received, reduce, send.device).then(decompress)
 
     def _exchange_segments(
         self, message: Message, group: ProcessGroup | None, memory: Memory, launcher: OrderedLauncher
@@ -511,6 +555,8 @@ class TwoStageAllreduce(Communicator):
         wire: Wire | None = None,
     ) -> torch.futures.Future[list[torch.Tensor]]:
         if len(messages) == 1 and isinstance(messages[0].compressor, SegmentCodec):
+            if isinstance(wire, TwoStageWire):
+                return self._exchange_wired(messages[0], group, memory, launcher, wire)
             return self._exchange_segments(messages[0], group, memory, launcher)
         world_size = comm.group_size(group)
         rank = comm.group_rank(group)

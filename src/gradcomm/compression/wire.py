@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["GatherWire", "SumWire", "Wire"]
+__all__ = ["GatherWire", "RowWire", "SumWire", "TwoStageWire", "Wire"]
 
 PartLayout = tuple[int, torch.dtype]
 """``(elements, dtype)`` of one payload part."""
@@ -73,60 +73,107 @@ class Wire:
         raise NotImplementedError
 
 
-class GatherWire(Wire):
-    """An all-gather's buffers: one send buffer of the parts' bytes back to back, one receive buffer of
-    ``world_size`` such rows; :attr:`received`: each part as a ``(world_size, elements)`` tensor."""
+class RowWire(Wire):
+    """Buffers of rows of bytes: each payload part cut into ``send_rows`` equal rows, row ``j`` of every part
+    back to back in row ``j`` of the send buffer (as :func:`~gradcomm.compression.communicators._pack_rows`
+    packs them), and ``receive_rows`` such rows received. :attr:`received`: each part as a ``(receive_rows,
+    elements per row)`` tensor; with ``flat``, as one contiguous flat tensor instead (copied out of the
+    receive buffer where its rows are not contiguous)."""
 
-    def __init__(self, layout: Sequence[PartLayout], world_size: int, device: torch.device, name: str) -> None:
+    def __init__(
+        self,
+        layout: Sequence[PartLayout],
+        send_rows: int,
+        receive_rows: int,
+        device: torch.device,
+        name: str,
+        flat: bool = False,
+    ) -> None:
         super().__init__(layout, name)
         offsets, total = [], 0
         for numel, dtype in self.layout:
             offsets.append(total)
-            total += numel * _itemsize(dtype)
-        self.send = torch.empty(total, dtype=torch.uint8, device=device)
-        self.receive = torch.empty(world_size * total, dtype=torch.uint8, device=device)
-        rows = self.receive.view(world_size, total)
+            total += numel // send_rows * _itemsize(dtype)
+        self.send = torch.empty(send_rows * total, dtype=torch.uint8, device=device)
+        self.receive = torch.empty(receive_rows * total, dtype=torch.uint8, device=device)
+        sent, rows = self.send.view(send_rows, total), self.receive.view(receive_rows, total)
         self._byte_slots: list[torch.Tensor | None] = []
         self.received: list[torch.Tensor] = []
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for (numel, dtype), offset in zip(self.layout, offsets, strict=True):
             size = _itemsize(dtype)
-            nbytes = numel * size
-            if nbytes == 0:  # nothing to view: an empty part stands alone
-                self.slots.append(torch.empty(0, dtype=dtype, device=device))
+            width = numel // send_rows
+            shape = (receive_rows * width,) if flat else (receive_rows, width)
+            if width == 0:  # nothing to view: an empty part stands alone
+                self.slots.append(torch.empty(numel, dtype=dtype, device=device))
                 self._byte_slots.append(None)
-                self.received.append(torch.empty((world_size, 0), dtype=dtype, device=device))
+                self.received.append(torch.empty(shape, dtype=dtype, device=device))
                 continue
-            byte_slot = self.send[offset : offset + nbytes]
-            aligned = offset % size == 0
-            self.slots.append(byte_slot.view(dtype) if aligned else torch.empty(numel, dtype=dtype, device=device))
+            aligned = offset % size == 0 and (send_rows == 1 or total % size == 0)
+            byte_slot = sent[:, offset : offset + width * size]
+            slot = byte_slot.view(dtype) if aligned else torch.empty((send_rows, width), dtype=dtype, device=device)
+            self.slots.append(slot.view(-1) if send_rows == 1 else slot)
             self._byte_slots.append(None if aligned else byte_slot)
-            source = rows[:, offset : offset + nbytes]
-            if aligned and total % size == 0:
-                self.received.append(source.view(dtype))
-            else:  # copied out to where its dtype can view it
-                target = torch.empty((world_size, numel), dtype=dtype, device=device)
-                self._copies.append((target.view(torch.uint8), source))
+            source = rows[:, offset : offset + width * size]
+            readable = offset % size == 0 and (receive_rows == 1 or total % size == 0)
+            if readable and (not flat or receive_rows == 1):
+                self.received.append(source.view(dtype).view(shape))
+            else:  # copied out to where its dtype can view it, contiguous
+                target = torch.empty(shape, dtype=dtype, device=device)
+                self._copies.append((target.view(receive_rows, -1).view(torch.uint8), source))
                 self.received.append(target)
+        self._send_rows = send_rows
 
     def _load(self, index: int, part: torch.Tensor) -> None:
-        byte_slot = self._byte_slots[index]
+        slot, byte_slot = self.slots[index], self._byte_slots[index]
+        if slot.dim() == 2:
+            part = part.view(slot.shape)
         if byte_slot is None:
-            self.slots[index].copy_(part)
+            slot.copy_(part)
         else:
-            byte_slot.copy_(part.contiguous().view(torch.uint8))
+            slot.copy_(part)
+            byte_slot.copy_(slot.view(self._send_rows, -1).view(torch.uint8))
 
     def load(self, parts: Sequence[torch.Tensor]) -> None:
         super().load(parts)
         for index, byte_slot in enumerate(self._byte_slots):  # a part the hook wrote into a detached slot
             if byte_slot is not None and parts[index] is self.slots[index]:
-                byte_slot.copy_(self.slots[index].view(torch.uint8))
+                byte_slot.copy_(self.slots[index].view(self._send_rows, -1).view(torch.uint8))
 
     def unpack(self) -> list[torch.Tensor]:
-        """Each part as received from every rank (after the all-gather into :attr:`receive`)."""
+        """Each part as received (after the collective into :attr:`receive`)."""
         for target, source in self._copies:
             target.copy_(source)
         return self.received
+
+
+class GatherWire(RowWire):
+    """An all-gather's buffers: one send row of the parts' bytes back to back, ``world_size`` rows received;
+    :attr:`received`: each part as a ``(world_size, elements)`` tensor."""
+
+    def __init__(self, layout: Sequence[PartLayout], world_size: int, device: torch.device, name: str) -> None:
+        super().__init__(layout, 1, world_size, device, name)
+
+
+class TwoStageWire(Wire):
+    """A two-stage allreduce's buffers: stage 1's all-to-all of every part's ``world_size`` rows (received flat,
+    one row from each rank), stage 2's all-gather of the recompressed row (received flat)."""
+
+    def __init__(
+        self,
+        layout: Sequence[PartLayout],
+        row_layout: Sequence[PartLayout],
+        world_size: int,
+        device: torch.device,
+        name: str,
+    ) -> None:
+        super().__init__(layout, name)
+        self.scatter = RowWire(layout, world_size, world_size, device, name, flat=True)
+        self.gather = RowWire(row_layout, 1, world_size, device, name, flat=True)
+        self.slots = self.scatter.slots
+
+    def load(self, parts: Sequence[torch.Tensor]) -> None:
+        self.scatter.load(parts)
 
 
 class SumWire(Wire):

@@ -382,7 +382,7 @@ class _Workspace:
             layouts.setdefault(self.dense_communicator, []).append((segments.numel, segments.dtype))
         if compressed is not None:
             segments = compressed.segments
-            layouts.setdefault(method, []).extend(compressor.payload_layout(segments.lengths, segments.dtype))
+            layouts.setdefault(method, []).extend(method.payload_layout(compressor, segments, world_size))
         name = compressor.name or type(compressor).__name__
         device = (compressed or plan.dense).segments.device  # type: ignore[union-attr]
         self.wires = {
