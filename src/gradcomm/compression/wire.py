@@ -140,6 +140,13 @@ class RowWire(Wire):
             if byte_slot is not None and parts[index] is self.slots[index]:
                 byte_slot.copy_(self.slots[index].view(self._send_rows, -1).view(torch.uint8))
 
+    def rows(self, index: int) -> tuple[torch.Tensor, ...]:
+        """Part ``index`` as received, one tensor per row (made once)."""
+        cache = self.__dict__.setdefault("_rows", {})
+        if index not in cache:
+            cache[index] = self.received[index].unbind(0)
+        return cache[index]
+
     def unpack(self) -> list[torch.Tensor]:
         """Each part as received (after the collective into :attr:`receive`)."""
         for target, source in self._copies:

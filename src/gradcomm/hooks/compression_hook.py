@@ -41,12 +41,13 @@ from torch.distributed import ProcessGroup
 from gradcomm import comm
 from gradcomm.comm.futures import when_all
 from gradcomm.comm.launcher import OrderedLauncher
+from gradcomm.compression._numerics import ordered_mean
 from gradcomm.compression.base import Compressor, SegmentedCompressor
 from gradcomm.compression.communicators import Communicator, Message
 from gradcomm.compression.memory import Memory, NoMemory, ResidualMemory
 from gradcomm.compression.methods.identity import NoCompression
 from gradcomm.compression.segments import Segments, _arithmetic_runs
-from gradcomm.compression.wire import Wire
+from gradcomm.compression.wire import GatherWire, Wire
 from gradcomm.hooks.hook_state import HookState
 from gradcomm.hooks.parameter_keys import Key, ParameterKeys, SavedKeyCheck
 
@@ -102,6 +103,7 @@ class CompressionState(HookState):
         self._keys = ParameterKeys()
         self._compressible: dict[tuple[torch.Size, torch.dtype], bool] = {}
         self._plans: dict[tuple[Any, ...], _Plan] = {}
+        self._used: set[_Plan] = set()
         residuals = self.memory.state_dict()
         self._check = (
             SavedKeyCheck("CompressionState", {key: tuple(r.shape) for key, r in residuals.items()})
@@ -153,6 +155,16 @@ class CompressionState(HookState):
             found = self._plans[signature] = _Plan.of(self, keys, shapes, buffer)
         return found
 
+    def end_iteration(self, plan: "_Plan", bucket: dist.GradBucket) -> None:
+        """Note that ``plan`` was used; after the iteration's last bucket, release the workspaces of the bucket
+        layouts it did not use (DDP rebuilt its buckets: they would hold their memory for nothing)."""
+        self._used.add(plan)
+        if bucket.is_last():
+            for other in self._plans.values():
+                if other not in self._used:
+                    other.release()
+            self._used.clear()
+
     # -- checkpointing: residuals and the compressor's random-stream counters, never the caches ------------
     def _plain_state(self) -> dict[str, Any]:
         return {
@@ -169,7 +181,7 @@ class CompressionState(HookState):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for cache in ("_keys", "_compressible", "_plans", "_launcher", "_check"):
+        for cache in ("_keys", "_compressible", "_plans", "_used", "_launcher", "_check"):
             state.pop(cache, None)
         return state
 
@@ -207,6 +219,8 @@ class _Part:
     """Each element's place in the buffer, where there are more than :data:`_MAX_GROUPS` groups."""
     _kept: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list, repr=False)
     """The pieces of tensors used every step (most recent first), made once."""
+    _buffer_views: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list, repr=False)
+    """The bucket's buffer last seen, and its views."""
 
     @classmethod
     def of(cls, positions: list[int], keys: Sequence[Key], shapes: Sequence[torch.Size], buffer: torch.Tensor) -> "_Part":
@@ -248,11 +262,25 @@ class _Part:
         return None
 
     def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Each group's strided view of the bucket's ``buffer``, kept for the buffer last seen (a bucket's
+        buffer is the same tensor every step)."""
+        if self._buffer_views:
+            seen, views = self._buffer_views[0]
+            start = self.groups[0][3]
+            if seen is buffer and views[0].data_ptr() == buffer.data_ptr() + start * buffer.element_size():
+                return views
         offset = buffer.storage_offset()
-        return [
+        views = [
             buffer.as_strided((count, length), (stride, 1), offset + start)
             for count, length, stride, start in self.groups
         ]
+        self._buffer_views[:] = [(buffer, views)]
+        return views
+
+    def release(self) -> None:
+        """Drop the views kept (and so the tensors they hold)."""
+        self._kept.clear()
+        self._buffer_views.clear()
 
     def pieces(self, values: torch.Tensor, keep: bool = False) -> list[torch.Tensor]:
         """Flat ``values`` (laid out as the part's segments) as one ``(count, length)`` view per group, to
@@ -261,8 +289,14 @@ class _Part:
         for tensor, pieces in self._kept:
             if tensor is values:
                 return pieces
-        flats = [values] if len(self.groups) == 1 else values.split([c * n for c, n, _, _ in self.groups])
-        pieces = [flat.view(count, length) for flat, (count, length, _, _) in zip(flats, self.groups, strict=True)]
+        if values.is_contiguous():  # one call per group
+            pieces, offset = [], values.storage_offset()
+            for count, length, _, _ in self.groups:
+                pieces.append(values.as_strided((count, length), (length, 1), offset))
+                offset += count * length
+        else:
+            flats = [values] if len(self.groups) == 1 else values.split([c * n for c, n, _, _ in self.groups])
+            pieces = [flat.reshape(c, n) for flat, (c, n, _, _) in zip(flats, self.groups, strict=True)]
         if keep:
             self._kept.insert(0, (values, pieces))
             del self._kept[_KEPT_PIECES:]
@@ -343,6 +377,14 @@ class _Plan:
             parts.append(_Part.of(positions, keys, shapes, buffer) if positions else None)
         return cls(tuple(keys), shapes, parts[0], parts[1])
 
+    def release(self) -> None:
+        """Drop the workspaces and the views kept: the layout was not used in the last iteration (DDP rebuilt
+        its buckets)."""
+        self.workspaces.clear()
+        for part in (self.compressed, self.dense):
+            if part is not None:
+                part.release()
+
     def workspace(self, state: CompressionState, world_size: int) -> "_Workspace":
         """This layout's workspace, marked busy; a new one, not kept, where it is busy (an exchange of this
         layout that is not yet assembled: a caller that did not wait for the last call's future)."""
@@ -388,6 +430,28 @@ class _Workspace:
         self.wires = {
             communicator: communicator.wire(layout, world_size, device, name) for communicator, layout in layouts.items()
         }
+        self.dense_codec: Any = _DENSE
+        self.dense_mean: torch.Tensor | None = None
+        """The tensor the dense part's mean will be, where it is the same every step."""
+        wire = self.wires.get(self.dense_communicator) if plan.dense is not None else None
+        if isinstance(wire, GatherWire):
+            rows = wire.rows(0)
+            self.dense_codec = _RowsMean(rows, None if len(rows) == 1 else torch.empty_like(rows[0]))
+            self.dense_mean = self.dense_codec.out if self.dense_codec.out is not None else rows[0]
+        elif wire is not None:
+            self.dense_mean = wire.slots[0]
+
+
+@dataclass(frozen=True, eq=False)
+class _RowsMean:
+    """The dense part's codec on a wired all-gather: the mean of the ranks' rows (views made once, summed in
+    rank order into :attr:`out`; on one rank, its row itself)."""
+
+    rows: tuple[torch.Tensor, ...]
+    out: torch.Tensor | None
+
+    def aggregate(self, gathered: list[torch.Tensor], ctx: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        return ordered_mean(self.rows, len(self.rows), self.out)
 
 
 def _segmented_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -399,6 +463,7 @@ def _segmented_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
     plan = state.plan(bucket, keys)
     state.check_loaded(bucket, plan.keys, plan.shapes)
     work = plan.workspace(state, world_size)
+    state.end_iteration(plan, bucket)
     try:
         batches, kept = _encoded(state, plan, work, bucket.buffer(), world_size)
     except BaseException:
@@ -437,8 +502,9 @@ def _encoded(
         if wire is not None:  # the dense values go straight into their slot of the wire
             slot = wire.slots[0]
             plan.dense.write_into(buffer, slot, wire.divisor(0))
-            message = Message(None, _DENSE, [slot], None)
-            kept.append(slot)
+            message = Message(None, work.dense_codec, [slot], None)
+            if work.dense_mean is not None:
+                kept.append(work.dense_mean)
         else:
             flat, _ = plan.dense.take(buffer)
             message = communicator.encode(_DENSE, None, flat, _NO_MEMORY, world_size)
