@@ -211,7 +211,7 @@ from the tags a user's own sends and receives are likely to use."""
 
 
 def all_gather_into_tensor(
-    tensor: torch.Tensor, group: ProcessGroup | None = None
+    tensor: torch.Tensor, group: ProcessGroup | None = None, out: torch.Tensor | None = None
 ) -> torch.futures.Future[torch.Tensor]:
     """Gather ``tensor`` from every rank into one tensor of ``world_size * numel`` elements, rank-major.
 
@@ -221,12 +221,13 @@ def all_gather_into_tensor(
     that reaches the collective later therefore sends its "ready to receive" behind half of its own data, and
     only then does its peer start sending to it: that rank takes about 1.5x the link time of its bytes. With
     the receives first it takes 1.0x (measured in ``docs/notes/2026-11-24-hooks-at-the-link-floor.md``,
-    "Receives before sends"). Counted as one collective.
+    "Receives before sends"). Counted as one collective. ``out``: a flat tensor of ``world_size * numel``
+    elements of ``tensor``'s dtype to gather into (a buffer reused every step), else a new one.
     """
     _record("all_gather", group, tensor)
     world_size = group_size(group)
-    flat = tensor.reshape(-1)
-    output = tensor.new_empty((world_size * flat.numel(),))
+    flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
+    output = tensor.new_empty((world_size * flat.numel(),)) if out is None else out
     if not _exchanges(flat, group):
         return future_of(_all_gather_single(output, flat, group=group, async_op=True), output)
     rows = output.view(world_size, -1)
@@ -275,7 +276,9 @@ def reduce_scatter_tensor(
     return future_of(work, output)
 
 
-def all_to_all_single(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.futures.Future[torch.Tensor]:
+def all_to_all_single(
+    tensor: torch.Tensor, group: ProcessGroup | None = None, out: torch.Tensor | None = None
+) -> torch.futures.Future[torch.Tensor]:
     """Send chunk ``j`` of ``tensor`` (``world_size`` equal chunks along dim 0) to rank ``j``; the future holds
     the chunks received, ordered by source rank, in a tensor shaped like ``tensor``.
 
@@ -283,7 +286,8 @@ def all_to_all_single(tensor: torch.Tensor, group: ProcessGroup | None = None) -
     :func:`all_gather_into_tensor` and for the same reason, only more so: gloo's all-to-all sends a whole
     chunk before posting the matching receive, so the later rank's "ready to receive" waits behind all of its
     data (measured in ``docs/notes/2026-11-24-hooks-at-the-link-floor.md``, "Receives before sends").
-    Counted as one collective."""
+    Counted as one collective. ``out``: a contiguous tensor shaped like ``tensor`` to receive into (a buffer
+    reused every step), else a new one."""
     world_size = group_size(group)
     if tensor.shape[0] % world_size:
         raise ValueError(
@@ -291,8 +295,8 @@ def all_to_all_single(tensor: torch.Tensor, group: ProcessGroup | None = None) -
             "chunks; pad it to a multiple of the world size"
         )
     _record("all_to_all", group, tensor)
-    source = tensor.contiguous()
-    output = torch.empty_like(source)
+    source = tensor if tensor.is_contiguous() else tensor.contiguous()
+    output = torch.empty_like(source) if out is None else out
     if not _exchanges(source, group):
         return future_of(dist.all_to_all_single(output, source, group=group, async_op=True), output)
     rows, received = source.view(world_size, -1), output.view(world_size, -1)

@@ -35,6 +35,7 @@ from gradcomm.compression.base import Compressor, Payload, RowwiseCompressor, Se
 from gradcomm.compression.memory import Memory, NoMemory
 from gradcomm.compression.row_layout import RowLayout
 from gradcomm.compression.segments import Segments
+from gradcomm.compression.wire import GatherWire, PartLayout, SumWire, TwoStageWire, Wire
 
 __all__ = [
     "ALLGATHER",
@@ -152,6 +153,18 @@ class Communicator(ABC):
         payload, ctx = compensated_compress(compressor, memory, key, tensor)
         return Message(key, compressor, payload, ctx)
 
+    def payload_layout(
+        self, compressor: SegmentedCompressor, segments: Segments, world_size: int
+    ) -> list[PartLayout]:
+        """The payload of a bucket of ``segments`` as :meth:`encode_segments` encodes it."""
+        return compressor.payload_layout(segments.lengths, segments.dtype)
+
+    def wire(self, layout: Sequence[PartLayout], world_size: int, device: torch.device, name: str) -> Wire | None:
+        """Buffers for exchanging payloads of ``layout`` (every part of a batch, in order) step after step
+        (:mod:`gradcomm.compression.wire`), which :meth:`exchange` then takes as ``wire``; ``None`` where the
+        communicator has none (it then packs its payloads itself). ``name``: the method, for errors."""
+        return None
+
     def carries_dense(self, world_size: int) -> bool:
         """Whether a bucket's dense (uncompressed) tensors can travel in this communicator's collective rather
         than in an allreduce of their own, with the same bytes on the link and the same result, bit for bit."""
@@ -164,11 +177,13 @@ class Communicator(ABC):
         group: ProcessGroup | None,
         memory: Memory,
         launcher: OrderedLauncher,
+        wire: Wire | None = None,
     ) -> torch.futures.Future[list[torch.Tensor]]:
         """Send ``messages``; the future holds each one's mean over ranks, decompressed, in order.
 
         ``memory`` is for the communicator's own residuals (:class:`TwoStageAllreduce`'s second stage);
-        every collective is launched through ``launcher``.
+        every collective is launched through ``launcher``. ``wire``: from :meth:`wire`, for the layout of
+        these messages' payloads; what the future holds may then be views of it, valid until its next use.
         """
 
 
@@ -220,7 +235,10 @@ class Allreduce(Communicator):
         group: ProcessGroup | None,
         memory: Memory,
         launcher: OrderedLauncher,
+        wire: Wire | None = None,
     ) -> torch.futures.Future[list[torch.Tensor]]:
+        if isinstance(wire, SumWire):
+            return self._exchange_wired(messages, group, launcher, wire)
         world_size = comm.group_size(group)
         parts = [part for message in messages for part in message.payload]
         by_dtype: dict[torch.dtype, list[int]] = {}
@@ -246,6 +264,27 @@ class Allreduce(Communicator):
 
         return when_all(futures, flats[0].device).then(decompress)
 
+    def wire(self, layout: Sequence[PartLayout], world_size: int, device: torch.device, name: str) -> Wire | None:
+        return SumWire(layout, world_size, device, name)
+
+    @staticmethod
+    def _exchange_wired(
+        messages: Sequence[Message], group: ProcessGroup | None, launcher: OrderedLauncher, wire: SumWire
+    ) -> torch.futures.Future[list[torch.Tensor]]:
+        wire.load([part for message in messages for part in message.payload])
+        futures = [launcher.launch(_all_reduce(flat, group), flat.device) for flat in wire.flats]
+        summed = _split_by_message(wire.slots, messages)
+
+        def decompress(fut: torch.futures.Future[Any]) -> list[torch.Tensor]:
+            fut.value()
+            return [
+                message.compressor.decompress(payload, message.ctx, message.out)
+                for message, payload in zip(messages, summed, strict=True)
+            ]
+
+        future = futures[0] if len(futures) == 1 else when_all(futures, wire.flats[0].device)
+        return future.then(decompress)
+
 
 @dataclass(frozen=True)
 class Allgather(Communicator):
@@ -268,7 +307,10 @@ class Allgather(Communicator):
         group: ProcessGroup | None,
         memory: Memory,
         launcher: OrderedLauncher,
+        wire: Wire | None = None,
     ) -> torch.futures.Future[list[torch.Tensor]]:
+        if isinstance(wire, GatherWire):
+            return self._exchange_wired(messages, group, launcher, wire)
         world_size = comm.group_size(group)
         templates = [part for message in messages for part in message.payload]
         packed = _pack_rows(templates, 1).view(-1)
@@ -279,6 +321,25 @@ class Allgather(Communicator):
             return [
                 message.compressor.aggregate(parts, message.ctx, message.out)
                 for message, parts in zip(messages, _split_by_message(gathered, messages), strict=True)
+            ]
+
+        return future.then(aggregate)
+
+    def wire(self, layout: Sequence[PartLayout], world_size: int, device: torch.device, name: str) -> Wire | None:
+        return GatherWire(layout, world_size, device, name)
+
+    @staticmethod
+    def _exchange_wired(
+        messages: Sequence[Message], group: ProcessGroup | None, launcher: OrderedLauncher, wire: GatherWire
+    ) -> torch.futures.Future[list[torch.Tensor]]:
+        wire.load([part for message in messages for part in message.payload])
+        future = launcher.launch(_all_gather(wire.send, group, wire.receive), wire.send.device)
+
+        def aggregate(fut: torch.futures.Future[torch.Tensor]) -> list[torch.Tensor]:
+            fut.value()
+            return [
+                message.compressor.aggregate(parts, message.ctx, message.out)
+                for message, parts in zip(messages, _split_by_message(wire.unpack(), messages), strict=True)
             ]
 
         return future.then(aggregate)
@@ -322,13 +383,13 @@ def _all_reduce(flat: torch.Tensor, group: ProcessGroup | None) -> Launch:
     return lambda: comm.all_reduce(flat, group)
 
 
-def _all_gather(flat: torch.Tensor, group: ProcessGroup | None) -> Launch:
-    return lambda: comm.all_gather_into_tensor(flat, group)
+def _all_gather(flat: torch.Tensor, group: ProcessGroup | None, out: torch.Tensor | None = None) -> Launch:
+    return lambda: comm.all_gather_into_tensor(flat, group, out)
 
 
-def _all_to_all(rows: torch.Tensor, group: ProcessGroup | None) -> Launch:
+def _all_to_all(rows: torch.Tensor, group: ProcessGroup | None, out: torch.Tensor | None = None) -> Launch:
     """Send row ``j`` of ``rows`` to rank ``j``; the future holds the rows received, one per source rank."""
-    return lambda: comm.all_to_all_single(rows, group)
+    return lambda: comm.all_to_all_single(rows, group, out)
 
 
 @dataclass(frozen=True, eq=False)
@@ -382,6 +443,44 @@ class TwoStageAllreduce(Communicator):
             memory.discard_segments(segments)
             raise
         return Message(segments.keys, SegmentCodec(compressor, segments), payload, _SegmentedRows(layout, ctx))  # type: ignore[arg-type]
+
+    def payload_layout(
+        self, compressor: SegmentedCompressor, segments: Segments, world_size: int
+    ) -> list[PartLayout]:
+        return compressor.payload_layout(RowLayout.of(segments, world_size).rows.lengths, segments.dtype)
+
+    def wire(self, layout: Sequence[PartLayout], world_size: int, device: torch.device, name: str) -> Wire | None:
+        """Stage 1's rows and stage 2's row: a row's payload is each part's share of the rows' (a bucket of
+        rows of one layout splits into equal rows, :class:`~gradcomm.compression.base.
+        SegmentedRowwiseCompressor`)."""
+        row = [(numel // world_size, dtype) for numel, dtype in layout]
+        return TwoStageWire(layout, row, world_size, device, name)
+
+    def _exchange_wired(
+        self, message: Message, group: ProcessGroup | None, memory: Memory, launcher: OrderedLauncher, wire: TwoStageWire
+    ) -> torch.futures.Future[list[torch.Tensor]]:
+        """:meth:`_exchange_segments` through ``wire``'s buffers."""
+        world_size = comm.group_size(group)
+        compressor = message.compressor.compressor  # type: ignore[attr-defined]
+        layout, ctx = message.ctx.layout, message.ctx.ctx
+        server_memory = memory if self.server_error_feedback else NoMemory()
+        wire.load(message.payload)
+        send = wire.scatter.send
+        received = launcher.launch(_all_to_all(send, group, wire.scatter.receive), send.device)
+
+        def reduce(fut: torch.futures.Future[torch.Tensor]) -> Launch:
+            fut.value()
+            decoded = compressor.decompress_segments(wire.scatter.unpack(), ctx, layout.rows)
+            mean = decoded if world_size == 1 else ordered_mean(decoded.view(world_size, -1).unbind(0), world_size)
+            payload, _ = compensated_compress_segments(compressor, server_memory, layout.row, mean, owned=True)
+            wire.gather.load(payload)
+            return _all_gather(wire.gather.send, group, wire.gather.receive)
+
+        def decompress(fut: torch.futures.Future[torch.Tensor]) -> list[torch.Tensor]:
+            fut.value()
+            return [layout.join(compressor.decompress_segments(wire.gather.unpack(), ctx, layout.rows))]
+
+        return launcher.launch_after(received, reduce, send.device).then(decompress)
 
     def _exchange_segments(
         self, message: Message, group: ProcessGroup | None, memory: Memory, launcher: OrderedLauncher
@@ -453,8 +552,11 @@ class TwoStageAllreduce(Communicator):
         group: ProcessGroup | None,
         memory: Memory,
         launcher: OrderedLauncher,
+        wire: Wire | None = None,
     ) -> torch.futures.Future[list[torch.Tensor]]:
         if len(messages) == 1 and isinstance(messages[0].compressor, SegmentCodec):
+            if isinstance(wire, TwoStageWire):
+                return self._exchange_wired(messages[0], group, memory, launcher, wire)
             return self._exchange_segments(messages[0], group, memory, launcher)
         world_size = comm.group_size(group)
         rank = comm.group_rank(group)

@@ -31,7 +31,7 @@ the first step, naming the parameter.
 # No ``from __future__ import annotations``: torch's DDP compares the hook's annotations with real types.
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,11 +41,13 @@ from torch.distributed import ProcessGroup
 from gradcomm import comm
 from gradcomm.comm.futures import when_all
 from gradcomm.comm.launcher import OrderedLauncher
+from gradcomm.compression._numerics import ordered_mean
 from gradcomm.compression.base import Compressor, SegmentedCompressor
 from gradcomm.compression.communicators import Communicator, Message
 from gradcomm.compression.memory import Memory, NoMemory, ResidualMemory
 from gradcomm.compression.methods.identity import NoCompression
 from gradcomm.compression.segments import Segments, _arithmetic_runs
+from gradcomm.compression.wire import GatherWire, Wire
 from gradcomm.hooks.hook_state import HookState
 from gradcomm.hooks.parameter_keys import Key, ParameterKeys, SavedKeyCheck
 
@@ -101,6 +103,7 @@ class CompressionState(HookState):
         self._keys = ParameterKeys()
         self._compressible: dict[tuple[torch.Size, torch.dtype], bool] = {}
         self._plans: dict[tuple[Any, ...], _Plan] = {}
+        self._used: set[_Plan] = set()
         residuals = self.memory.state_dict()
         self._check = (
             SavedKeyCheck("CompressionState", {key: tuple(r.shape) for key, r in residuals.items()})
@@ -152,6 +155,16 @@ class CompressionState(HookState):
             found = self._plans[signature] = _Plan.of(self, keys, shapes, buffer)
         return found
 
+    def end_iteration(self, plan: "_Plan", bucket: dist.GradBucket) -> None:
+        """Note that ``plan`` was used; after the iteration's last bucket, release the workspaces of the bucket
+        layouts it did not use (DDP rebuilt its buckets: they would hold their memory for nothing)."""
+        self._used.add(plan)
+        if bucket.is_last():
+            for other in self._plans.values():
+                if other not in self._used:
+                    other.release()
+            self._used.clear()
+
     # -- checkpointing: residuals and the compressor's random-stream counters, never the caches ------------
     def _plain_state(self) -> dict[str, Any]:
         return {
@@ -168,7 +181,7 @@ class CompressionState(HookState):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for cache in ("_keys", "_compressible", "_plans", "_launcher", "_check"):
+        for cache in ("_keys", "_compressible", "_plans", "_used", "_launcher", "_check"):
             state.pop(cache, None)
         return state
 
@@ -186,6 +199,9 @@ _MAX_GROUPS = 8
 """A part of a bucket in at most this many strided groups of runs is copied group by group (memory speed, a
 few calls per group); in more, by one gather with an index."""
 
+_KEPT_PIECES = 4
+"""How many tensors' pieces a :class:`_Part` keeps (its workspace, a residual, a wire's slot)."""
+
 
 @dataclass(frozen=True, eq=False)
 class _Part:
@@ -201,6 +217,10 @@ class _Part:
     """``(count, length, stride, start)`` of each group of runs."""
     index: torch.Tensor | None
     """Each element's place in the buffer, where there are more than :data:`_MAX_GROUPS` groups."""
+    _kept: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list, repr=False)
+    """The pieces of tensors used every step (most recent first), made once."""
+    _buffer_views: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list, repr=False)
+    """The bucket's buffer last seen, and its views."""
 
     @classmethod
     def of(cls, positions: list[int], keys: Sequence[Key], shapes: Sequence[torch.Size], buffer: torch.Tensor) -> "_Part":
@@ -242,64 +262,111 @@ class _Part:
         return None
 
     def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Each group's strided view of the bucket's ``buffer``, kept for the buffer last seen (a bucket's
+        buffer is the same tensor every step)."""
+        if self._buffer_views:
+            seen, views = self._buffer_views[0]
+            start = self.groups[0][3]
+            if seen is buffer and views[0].data_ptr() == buffer.data_ptr() + start * buffer.element_size():
+                return views
         offset = buffer.storage_offset()
-        return [
+        views = [
             buffer.as_strided((count, length), (stride, 1), offset + start)
             for count, length, stride, start in self.groups
         ]
+        self._buffer_views[:] = [(buffer, views)]
+        return views
 
-    def take(self, buffer: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """The part's values, and whether they are a copy (else a view of the buffer)."""
+    def release(self) -> None:
+        """Drop the views kept (and so the tensors they hold)."""
+        self._kept.clear()
+        self._buffer_views.clear()
+
+    def pieces(self, values: torch.Tensor, keep: bool = False) -> list[torch.Tensor]:
+        """Flat ``values`` (laid out as the part's segments) as one ``(count, length)`` view per group, to
+        copy to or from the buffer's views. ``keep``: ``values`` is used every step (a workspace, a residual,
+        a wire's slot), so its pieces are made once and kept."""
+        for tensor, pieces in self._kept:
+            if tensor is values:
+                return pieces
+        if values.is_contiguous():  # one call per group
+            pieces, offset = [], values.storage_offset()
+            for count, length, _, _ in self.groups:
+                pieces.append(values.as_strided((count, length), (length, 1), offset))
+                offset += count * length
+        else:
+            flats = [values] if len(self.groups) == 1 else values.split([c * n for c, n, _, _ in self.groups])
+            pieces = [flat.reshape(c, n) for flat, (c, n, _, _) in zip(flats, self.groups, strict=True)]
+        if keep:
+            self._kept.insert(0, (values, pieces))
+            del self._kept[_KEPT_PIECES:]
+        return pieces
+
+    def take(self, buffer: torch.Tensor, into: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+        """The part's values, and whether they are a copy (else a view of the buffer): copied into ``into``
+        (a workspace, flat) where given, else into a new tensor."""
         span = self.span
         if span is not None:
             return buffer[span[0] : span[1]], False
+        if into is None:
+            into = buffer.new_empty(self.segments.numel)
+            self.write_into(buffer, into, keep=False)
+        else:
+            self.write_into(buffer, into)
+        return into, True
+
+    def write_into(
+        self, buffer: torch.Tensor, into: torch.Tensor, divisor: torch.Tensor | None = None, keep: bool = True
+    ) -> None:
+        """Copy the part's values into flat ``into`` (divided by ``divisor`` where given), each group in one
+        pass (where reshaping a strided view and concatenating copied twice); ``keep``: ``into`` is used
+        every step (see :meth:`pieces`)."""
         if self.index is not None:
-            return buffer.index_select(0, self.index), True
-        values = buffer.new_empty(self.segments.numel)
-        self._copy_between(values, buffer, into_buffer=False)
-        return values, True
+            if divisor is None:
+                torch.index_select(buffer, 0, self.index, out=into)
+            else:
+                torch.div(buffer.index_select(0, self.index), divisor, out=into)
+            return
+        for view, piece in zip(self._views(buffer), self.pieces(into, keep), strict=True):
+            if divisor is None:
+                piece.copy_(view)
+            else:
+                torch.div(view, divisor, out=piece)
 
     def add_into(self, values: torch.Tensor, buffer: torch.Tensor) -> None:
-        """Add the part's values in ``buffer`` to the flat ``values`` (laid out as the part's segments)."""
+        """Add the part's values in ``buffer`` to the flat ``values`` (laid out as the part's segments; a
+        residual, the same every step)."""
         if self.index is not None:
             values.add_(buffer.index_select(0, self.index))
-        else:
-            self._copy_between(values, buffer, into_buffer=False, add=True)
+            return
+        for view, piece in zip(self._views(buffer), self.pieces(values, keep=True), strict=True):
+            piece.add_(view)
 
-    def _copy_between(self, values: torch.Tensor, buffer: torch.Tensor, into_buffer: bool, add: bool = False) -> None:
-        """Each group's strided view of ``buffer`` copied from or into its piece of ``values`` (one pass,
-        where reshaping a strided view and concatenating copied twice); ``add``: added to ``values``."""
-        views = self._views(buffer)
-        pieces = [values] if len(views) == 1 else values.split([view.numel() for view in views])
-        for view, piece in zip(views, pieces, strict=True):
-            if into_buffer:
-                view.copy_(piece.view(view.shape))
-            elif add:
-                piece.view(view.shape).add_(view)
-            else:
-                piece.view(view.shape).copy_(view)
-
-    def put(self, buffer: torch.Tensor, values: torch.Tensor) -> None:
+    def put(self, buffer: torch.Tensor, values: torch.Tensor, keep: bool = False) -> None:
+        """Write flat ``values`` (laid out as the part's segments) into the part's place in ``buffer``;
+        ``keep``: as for :meth:`pieces`."""
         values = values if values.dtype == buffer.dtype else values.to(buffer.dtype)
         span = self.span
         if span is not None:
-            place = buffer[span[0] : span[1]]
-            if place.data_ptr() != values.data_ptr():
-                place.copy_(values)
+            if values.data_ptr() != buffer.data_ptr() + span[0] * buffer.element_size():
+                buffer[span[0] : span[1]].copy_(values)
         elif self.index is not None:
             buffer.index_copy_(0, self.index, values)
         else:
-            self._copy_between(values, buffer, into_buffer=True)
+            for view, piece in zip(self._views(buffer), self.pieces(values, keep), strict=True):
+                view.copy_(piece)
 
 
 @dataclass(frozen=True, eq=False)
 class _Plan:
-    """A bucket layout's compressed part and dense part (either may be absent)."""
+    """A bucket layout's compressed part and dense part (either may be absent), and its workspaces."""
 
     keys: tuple[Key, ...]
     shapes: tuple[torch.Size, ...]
     compressed: _Part | None
     dense: _Part | None
+    workspaces: dict[int, "_Workspace"] = field(default_factory=dict, repr=False)
+    """By world size."""
 
     @classmethod
     def of(cls, state: CompressionState, keys: Sequence[Key], shapes: tuple[torch.Size, ...], buffer: torch.Tensor) -> "_Plan":
@@ -310,42 +377,149 @@ class _Plan:
             parts.append(_Part.of(positions, keys, shapes, buffer) if positions else None)
         return cls(tuple(keys), shapes, parts[0], parts[1])
 
+    def release(self) -> None:
+        """Drop the workspaces and the views kept: the layout was not used in the last iteration (DDP rebuilt
+        its buckets)."""
+        self.workspaces.clear()
+        for part in (self.compressed, self.dense):
+            if part is not None:
+                part.release()
+
+    def workspace(self, state: CompressionState, world_size: int) -> "_Workspace":
+        """This layout's workspace, marked busy; a new one, not kept, where it is busy (an exchange of this
+        layout that is not yet assembled: a caller that did not wait for the last call's future)."""
+        work = self.workspaces.get(world_size)
+        if work is None:
+            work = self.workspaces[world_size] = _Workspace(self, state, world_size)
+        elif work.busy:
+            work = _Workspace(self, state, world_size)
+        work.busy = True
+        return work
+
+
+class _Workspace:
+    """A bucket layout's buffers, made once (a step then makes no bucket-sized tensor of its own, and the pages
+    of the ones it reuses are already there): the compressed part's copy, where it is strided in the bucket
+    and no residual takes its place (:attr:`values`); where its mean is decoded (:attr:`decoded`:
+    ``values`` itself, which nothing reads once encoded, or, with error feedback, a buffer of its own); each
+    communicator's wire (:mod:`gradcomm.compression.wire`). Nothing in it is handed to DDP: the hook writes
+    every mean into the bucket, and returns the bucket. One exchange at a time uses it (:attr:`busy`)."""
+
+    def __init__(self, plan: _Plan, state: CompressionState, world_size: int) -> None:
+        compressor = state.compressor
+        self.busy = False
+        self.values: torch.Tensor | None = None
+        self.decoded: torch.Tensor | None = None
+        compressed = plan.compressed
+        if compressed is not None and compressed.span is None:
+            segments = compressed.segments
+            self.decoded = torch.empty(segments.numel, dtype=segments.dtype, device=segments.device)
+            if not state.memory.enabled:  # else the residual takes the values' place (or keeps their copy)
+                self.values = self.decoded
+        method = compressor.communicator
+        layouts: dict[Communicator, list[tuple[int, torch.dtype]]] = {}
+        if plan.dense is not None:
+            segments = plan.dense.segments
+            self.dense_communicator = method if method.carries_dense(world_size) else _DENSE.communicator
+            layouts.setdefault(self.dense_communicator, []).append((segments.numel, segments.dtype))
+        if compressed is not None:
+            segments = compressed.segments
+            layouts.setdefault(method, []).extend(method.payload_layout(compressor, segments, world_size))
+        name = compressor.name or type(compressor).__name__
+        device = (compressed or plan.dense).segments.device  # type: ignore[union-attr]
+        self.wires = {
+            communicator: communicator.wire(layout, world_size, device, name) for communicator, layout in layouts.items()
+        }
+        self.dense_codec: Any = _DENSE
+        self.dense_mean: torch.Tensor | None = None
+        """The tensor the dense part's mean will be, where it is the same every step."""
+        wire = self.wires.get(self.dense_communicator) if plan.dense is not None else None
+        if isinstance(wire, GatherWire):
+            rows = wire.rows(0)
+            self.dense_codec = _RowsMean(rows, None if len(rows) == 1 else torch.empty_like(rows[0]))
+            self.dense_mean = self.dense_codec.out if self.dense_codec.out is not None else rows[0]
+        elif wire is not None:
+            self.dense_mean = wire.slots[0]
+
+
+@dataclass(frozen=True, eq=False)
+class _RowsMean:
+    """The dense part's codec on a wired all-gather: the mean of the ranks' rows (views made once, summed in
+    rank order into :attr:`out`; on one rank, its row itself)."""
+
+    rows: tuple[torch.Tensor, ...]
+    out: torch.Tensor | None
+
+    def aggregate(self, gathered: list[torch.Tensor], ctx: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        return ordered_mean(self.rows, len(self.rows), self.out)
+
 
 def _segmented_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The hook for a :class:`SegmentedCompressor`: the bucket's compressed gradients encoded as one segmented
     flat tensor, its dense ones as one flat tensor; a number of torch calls that does not depend on the
-    number of gradients."""
+    number of gradients, in buffers made once per bucket layout (:class:`_Workspace`)."""
     world_size = comm.group_size(state.process_group)
     keys = state.keys(bucket)
     plan = state.plan(bucket, keys)
     state.check_loaded(bucket, plan.keys, plan.shapes)
+    work = plan.workspace(state, world_size)
+    state.end_iteration(plan, bucket)
+    try:
+        batches, kept = _encoded(state, plan, work, bucket.buffer(), world_size)
+    except BaseException:
+        work.busy = False
+        raise
+    result_buffer = bucket.buffer()
+    buffer = result_buffer if result_buffer.dim() == 1 else result_buffer.view(-1)
+
+    def assemble(fut: torch.futures.Future[list[list[torch.Tensor]]]) -> torch.Tensor:
+        try:
+            for items, tensors in zip(batches.values(), fut.value(), strict=True):
+                for (part, _), tensor in zip(items, tensors, strict=True):
+                    flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
+                    part.put(buffer, flat, keep=any(flat is tensor_kept for tensor_kept in kept))
+            return result_buffer
+        finally:
+            work.busy = False
+
+    return _exchanged(state, bucket, batches, assemble, work.wires)
+
+
+def _encoded(
+    state: CompressionState, plan: _Plan, work: _Workspace, bucket_buffer: torch.Tensor, world_size: int
+) -> tuple[dict[Communicator, list[tuple[_Part, Message]]], list[torch.Tensor]]:
+    """Each communicator's messages of a bucket, with the part each one's mean is written to, and the
+    workspace tensors that a mean may be (whose pieces are kept)."""
     compressor = state.compressor
     assert isinstance(compressor, SegmentedCompressor)
     method = compressor.communicator
-    buffer = bucket.buffer().view(-1)
+    buffer = bucket_buffer if bucket_buffer.dim() == 1 else bucket_buffer.view(-1)
     batches: dict[Communicator, list[tuple[_Part, Message]]] = {}
+    kept: list[torch.Tensor] = []
     if plan.dense is not None:
-        communicator = method if method.carries_dense(world_size) else _DENSE.communicator
-        flat, _ = plan.dense.take(buffer)
-        message = communicator.encode(_DENSE, None, flat, _NO_MEMORY, world_size)
-        message.out = flat if plan.dense.span is not None else None
+        communicator = work.dense_communicator
+        wire = work.wires[communicator]
+        if wire is not None:  # the dense values go straight into their slot of the wire
+            slot = wire.slots[0]
+            plan.dense.write_into(buffer, slot, wire.divisor(0))
+            message = Message(None, work.dense_codec, [slot], None)
+            if work.dense_mean is not None:
+                kept.append(work.dense_mean)
+        else:
+            flat, _ = plan.dense.take(buffer)
+            message = communicator.encode(_DENSE, None, flat, _NO_MEMORY, world_size)
+            message.out = flat if plan.dense.span is not None else None
         batches.setdefault(communicator, []).append((plan.dense, message))
     if plan.compressed is not None:
-        flat, owned, compensated = _compensated_take(plan.compressed, buffer, state.memory)
+        flat, owned, compensated = _compensated_take(plan.compressed, buffer, state.memory, work.values)
         message = method.encode_segments(
             compressor, plan.compressed.segments, flat, state.memory, world_size, owned, compensated
         )
-        message.out = flat if not owned else None
+        message.out = flat if not owned else work.decoded
+        if work.decoded is not None:
+            kept.append(work.decoded)
         batches.setdefault(method, []).append((plan.compressed, message))
-    result_buffer = bucket.buffer()
-
-    def assemble(fut: torch.futures.Future[list[list[torch.Tensor]]]) -> torch.Tensor:
-        for items, tensors in zip(batches.values(), fut.value(), strict=True):
-            for (part, _), tensor in zip(items, tensors, strict=True):
-                part.put(buffer, tensor.reshape(-1))
-        return result_buffer
-
-    return _exchanged(state, bucket, batches, assemble)
+    return batches, kept
 
 
 def _exchanged(
@@ -353,30 +527,35 @@ def _exchanged(
     bucket: dist.GradBucket,
     batches: dict[Communicator, list[tuple[Any, Message]]],
     assemble: Callable[[torch.futures.Future[list[list[torch.Tensor]]]], torch.Tensor],
+    wires: dict[Communicator, Wire | None] | None = None,
 ) -> torch.futures.Future[torch.Tensor]:
-    """Launch each communicator's batch of messages; the bucket's future, ``assemble``-d from all of them."""
-    futures = [
-        communicator.exchange(
-            [message for _, message in items], state.process_group, state.server_memory, state._launcher
-        )
-        for communicator, items in batches.items()
-    ]
+    """Launch each communicator's batch of messages (through its wire, where it has one); the bucket's
+    future, ``assemble``-d from all of them."""
+    futures = []
+    for communicator, items in batches.items():
+        messages = [message for _, message in items]
+        wire = wires.get(communicator) if wires else None
+        extra = {} if wire is None else {"wire": wire}
+        futures.append(communicator.exchange(messages, state.process_group, state.server_memory, state._launcher, **extra))
     result = when_all(futures, bucket.buffer().device).then(assemble)
     if bucket.is_last():  # DDP's own collectives after the last bucket must come after all of the hook's
         state._launcher.wait_until_launched()
     return result
 
 
-def _compensated_take(part: _Part, buffer: torch.Tensor, memory: Memory) -> tuple[torch.Tensor, bool, bool]:
-    """The part's values as :meth:`_Part.take` gives them (and whether they are a copy), or, where they are
-    strided in the buffer and a flat residual is held for them, that residual with them added (one pass where
-    a copy and an addition were two): ``(flat, owned, compensated)``."""
+def _compensated_take(
+    part: _Part, buffer: torch.Tensor, memory: Memory, into: torch.Tensor | None = None
+) -> tuple[torch.Tensor, bool, bool]:
+    """The part's values as :meth:`_Part.take` gives them (copied into ``into`` where given; and whether they
+    are a copy), or, where they are strided in the buffer and a flat residual is held for them, that
+    residual with them added (one pass where a copy and an addition were two): ``(flat, owned,
+    compensated)``."""
     if part.span is None and isinstance(memory, ResidualMemory):
         held = memory.held_segments(part.segments, buffer)
         if held is not None:
             part.add_into(held, buffer)
             return held, True, True
-    flat, owned = part.take(buffer)
+    flat, owned = part.take(buffer, into)
     return flat, owned, False
 
 
