@@ -653,3 +653,15 @@ def test_invalid_arguments_are_refused():
     for make in (lambda: TopK(0), lambda: RandomK(1.5), lambda: QSGD(levels=128), lambda: TernGrad(clip=0)):
         with pytest.raises(ValueError):
             make()
+
+
+def test_a_one_row_wire_views_a_part_its_row_length_does_not_divide():
+    """21 bytes a row (a float32 part, then a uint8 one): the float32 part is a view of the send and receive
+    buffers, each row of it 16 bytes apart from its start, which any torch release can view as float32 (the
+    lent GPU's torch 2.11 refused a view whose row stride was the row's 21 bytes)."""
+    from gradcomm.compression.wire import GatherWire
+
+    wire = GatherWire([(4, torch.float32), (5, torch.uint8)], world_size=1, device=torch.device("cpu"), name="t")
+    assert wire.slots[0].data_ptr() == wire.send.data_ptr()
+    assert wire.received[0].data_ptr() == wire.receive.data_ptr()
+    assert wire.slots[0].view(1, -1).view(torch.uint8).stride(0) == 16

@@ -96,7 +96,6 @@ class RowWire(Wire):
             total += numel // send_rows * _itemsize(dtype)
         self.send = torch.empty(send_rows * total, dtype=torch.uint8, device=device)
         self.receive = torch.empty(receive_rows * total, dtype=torch.uint8, device=device)
-        sent, rows = self.send.view(send_rows, total), self.receive.view(receive_rows, total)
         self._byte_slots: list[torch.Tensor | None] = []
         self.received: list[torch.Tensor] = []
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -110,11 +109,11 @@ class RowWire(Wire):
                 self.received.append(torch.empty(shape, dtype=dtype, device=device))
                 continue
             aligned = offset % size == 0 and (send_rows == 1 or total % size == 0)
-            byte_slot = sent[:, offset : offset + width * size]
+            byte_slot = _columns(self.send, send_rows, total, offset, width * size)
             slot = byte_slot.view(dtype) if aligned else torch.empty((send_rows, width), dtype=dtype, device=device)
             self.slots.append(slot.view(-1) if send_rows == 1 else slot)
             self._byte_slots.append(None if aligned else byte_slot)
-            source = rows[:, offset : offset + width * size]
+            source = _columns(self.receive, receive_rows, total, offset, width * size)
             readable = offset % size == 0 and (receive_rows == 1 or total % size == 0)
             if readable and (not flat or receive_rows == 1):
                 self.received.append(source.view(dtype).view(shape))
@@ -212,3 +211,13 @@ class SumWire(Wire):
 
     def _load(self, index: int, part: torch.Tensor) -> None:
         torch.div(part, self.divisor(index), out=self.slots[index])
+
+
+def _columns(buffer: torch.Tensor, rows: int, row_bytes: int, offset: int, nbytes: int) -> torch.Tensor:
+    """Bytes ``[offset, offset + nbytes)`` of each of the ``rows`` rows of ``row_bytes`` bytes in the flat
+    ``buffer``, as a ``(rows, nbytes)`` view. A single row is cut from the flat buffer, so that its row stride
+    is ``nbytes`` and a wider dtype can view it: torch releases before 2.13 refuse ``view(dtype)`` of a row
+    whose stride (the whole row's bytes) the dtype's size does not divide, even where there is one row."""
+    if rows == 1:
+        return buffer[offset : offset + nbytes].view(1, nbytes)
+    return buffer.view(rows, row_bytes)[:, offset : offset + nbytes]
