@@ -121,6 +121,21 @@ class Segments:
             cache[key] = Segments(key, self.keys, self.shapes, self.dtype, self.device)
         return cache[key]
 
+    def chunked(self, size: int) -> Segments:
+        """Every segment cut into chunks of ``size`` elements (its last one shorter), each chunk a segment
+        keyed ``(key, j)``: the same flat tensor, laid out for per-chunk statistics and budgets (cached per
+        size). Chunks of one length lie at one stride, so per-chunk work goes by :class:`Groups` runs."""
+        cache = self.__dict__.setdefault("_chunked", {})
+        if size not in cache:
+            lengths, keys = [], []
+            for key, length in zip(self.keys, self.lengths, strict=True):
+                for j, start in enumerate(range(0, length, size)):
+                    lengths.append(min(size, length - start))
+                    keys.append((key, j))
+            shapes = tuple(torch.Size([n]) for n in lengths)
+            cache[size] = Segments(tuple(lengths), tuple(keys), shapes, self.dtype, self.device)
+        return cache[size]
+
     @functools.cached_property
     def groups(self) -> Groups:
         """The segments by length, as strided views of the flat tensor where they can be (cached)."""
