@@ -340,7 +340,8 @@ def _arithmetic_runs(positions: list[int], starts: Sequence[int], length: int) -
             while stride >= length and nxt in by_start:
                 run.append(by_start.pop(nxt))
                 nxt += stride
-            left = [p for p in left if p not in run]
+            taken = set(run)  # a list's membership test made this quadratic in the segments
+            left = [p for p in left if p not in taken]
             if len(run) == 1:
                 stride = length
         runs.append((run, stride))
