@@ -63,7 +63,9 @@ def _word_split(longest: int) -> tuple[int, int]:
     return low_bytes, bits - 8 * low_bytes
 
 
-class SparseLoCo(SegmentedCompressor, name="sparseloco", summary="SparseLoCo: chunked top-k, 2-bit values, decayed EF"):
+class SparseLoCo(
+    SegmentedCompressor, name="sparseloco", summary="SparseLoCo: chunked top-k, 2-bit values, decayed EF"
+):
     """Per chunk of ``chunk`` elements of each tensor's accumulator, the ``ceil(ratio * len)`` (at least one)
     largest magnitudes, each sent as a 2-bit code and its index within the chunk; see the module docstring.
 
@@ -99,7 +101,10 @@ class SparseLoCo(SegmentedCompressor, name="sparseloco", summary="SparseLoCo: ch
         chunks = self._chunk_lengths(lengths)
         total = sum(self.k(n) for n in chunks)
         low_bytes, top_bits = _word_split(max(chunks, default=1))
-        return [(total * low_bytes + -(-total * top_bits // 8), torch.uint8), (2 * len(chunks), work_dtype(dtype))]
+        return [
+            (total * low_bytes + -(-total * top_bits // 8), torch.uint8),
+            (2 * len(chunks), work_dtype(dtype)),
+        ]
 
     def _budget(self, segments: Segments) -> Budget:
         chunks = segments.chunked(self.chunk)
@@ -147,7 +152,9 @@ class SparseLoCo(SegmentedCompressor, name="sparseloco", summary="SparseLoCo: ch
         big_count = segment_reduce(as_dtype(big, kept.dtype), "sum", chosen)
         zero = magnitudes.new_zeros(())
         # each half's mean magnitude: overflow-safe means over the chunk, rescaled to the half's count
-        high = segment_mean_abs(torch.where(big, magnitudes, zero), chosen) * (count / nonzero_or_one(big_count))
+        high = segment_mean_abs(torch.where(big, magnitudes, zero), chosen) * (
+            count / nonzero_or_one(big_count)
+        )
         low = segment_mean_abs(torch.where(big, zero, magnitudes), chosen) * (
             count / nonzero_or_one(count - big_count)
         )
@@ -215,5 +222,7 @@ class SparseLoCo(SegmentedCompressor, name="sparseloco", summary="SparseLoCo: ch
         accumulation = dict(state["accumulation"])
         for key, e in accumulation.items():
             if not isinstance(e, torch.Tensor):
-                raise ValueError(f"SparseLoCo: the accumulator of {key!r} must be a tensor, got {type(e).__name__}")
+                raise ValueError(
+                    f"SparseLoCo: the accumulator of {key!r} must be a tensor, got {type(e).__name__}"
+                )
         self._accumulation.load_state_dict(accumulation)
