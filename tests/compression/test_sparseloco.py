@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gradcomm.compression import SparseLoCo
+from gradcomm.compression.segments import Segments
 from gradcomm.hooks.compression_hook import CompressionState
 from gradcomm.hooks.registry import check_options
 
@@ -49,23 +50,38 @@ def _reference(x: torch.Tensor, ratio: float, chunk: int) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("lengths", "chunk", "ratio", "expected"),
     [
-        # 4096, 4096, 1808 elements: 64 + 64 + 29 values of 12 + 2 bits (one low byte, 6 bits packed), 3 chunks
-        ((10000,), 4096, 1 / 64, [(157 + math.ceil(157 * 6 / 8), torch.uint8), (6, torch.float32)]),
-        # a chunk of 64: 6 + 2 bits, one packed byte per value and no low bytes
-        ((64, 64), 4096, 0.25, [(32, torch.uint8), (4, torch.float32)]),
+        # 4096, 4096, 1808 elements: 64 + 64 + 29 values of 12 + 2 bits: one low byte and 6 bits packed
+        (
+            (10000,),
+            4096,
+            1 / 64,
+            [(157, torch.uint8), (math.ceil(157 * 6 / 8), torch.uint8), (6, torch.float32)],
+        ),
+        # two tensors of one chunk each: 16 values each, their 6-bit tops packed each alone (12 bytes)
+        ((64, 64), 4096, 0.25, [(32, torch.uint8), (24, torch.uint8), (4, torch.float32)]),
+        # chunks of 64: 6 + 2 bits, one packed byte per value and no low bytes
+        ((64, 64), 64, 0.25, [(32, torch.uint8), (4, torch.float32)]),
         # chunks of 65536 and 4464: 656 + 45 values of 16 + 2 bits, two low bytes and 2 bits packed
-        ((70000,), 65536, 0.01, [(701 * 2 + math.ceil(701 * 2 / 8), torch.uint8), (4, torch.float32)]),
+        (
+            (70000,),
+            65536,
+            0.01,
+            [(701 * 2, torch.uint8), (math.ceil(701 * 2 / 8), torch.uint8), (4, torch.float32)],
+        ),
         # chunks of one element: 2 bits, the code alone
         ((5,), 1, 1.0, [(2, torch.uint8), (10, torch.float32)]),
+        # 3 + 2 bits per value, each tensor's 1, 4 + 1 and 4 + 4 values packed alone: 1 + 4 + 5 bytes; 5 chunks
+        ((1, 9, 16), 8, 0.5, [(10, torch.uint8), (10, torch.float32)]),
     ],
 )
 def test_payload_layout_is_the_stated_words_and_two_magnitudes_per_chunk(lengths, chunk, ratio, expected):
     compressor = SparseLoCo(ratio=ratio, chunk=chunk)
     assert compressor.payload_layout(lengths, torch.float32) == expected
-    with compressor.stream("w"):
-        payload, _ = compressor.compress(torch.randn(sum(lengths)))
-    if len(lengths) == 1:
-        assert [(part.numel(), part.dtype) for part in payload] == expected
+    tensors = [torch.randn(n) for n in lengths]
+    payload, _ = compressor.compress_segments(
+        torch.cat(tensors), Segments.of(tensors, list(range(len(lengths))))
+    )
+    assert [(part.numel(), part.dtype) for part in payload] == expected
 
 
 @pytest.mark.parametrize(
@@ -91,15 +107,19 @@ def test_payload_bytes_match_the_layout_and_decode_to_the_kept_indices(numel, ch
 
 
 def test_a_bucket_of_several_tensors_is_each_tensor_alone_back_to_back():
-    """Chunks never straddle tensors: the bucket's payload decodes to each tensor's own exchange."""
+    """Chunks never straddle tensors: the bucket's payload is each tensor's payload back to back, part by part
+    (the words' bytes of compressing each alone), and decodes to each tensor's own exchange."""
     compressor = SparseLoCo(chunk=1000, ratio=0.05, ef_decay=0)
     tensors = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in (2500, 1000, 7, 3000)]
-    from gradcomm.compression.segments import Segments
-
     segments = Segments.of(tensors, ["a", "b", "c", "d"])
     payload, ctx = compressor.compress_segments(torch.cat(tensors), segments)
     expected = compressor.payload_layout(segments.lengths, torch.float32)
     assert [(part.numel(), part.dtype) for part in payload] == expected
+    alone = [torch.cat(parts) for parts in zip(*(compressor.compress(t)[0] for t in tensors), strict=True)]
+    for part, part_alone in zip(payload[:-1], alone[:-1], strict=True):  # the words: the same bytes
+        assert torch.equal(part, part_alone)
+    # the magnitudes: means summed row-wise in a bucket, by the plain reduction alone (the last bit may differ)
+    torch.testing.assert_close(payload[-1], alone[-1], rtol=1e-6, atol=0)
     sent = compressor.decompress_segments(payload, ctx, segments)
     alone = torch.cat([_reference(t, 0.05, 1000) for t in tensors])
     torch.testing.assert_close(sent.double(), alone, rtol=1e-6, atol=0)

@@ -21,10 +21,11 @@ values are split at their mean magnitude, and each half is sent as its own mean 
 least-squares reconstruction for that split, as the paper's quantizer sends the mean of each bin.
 
 **Wire format** (:meth:`SparseLoCo.payload_layout`), all-gathered (coordinates differ between ranks): per
-kept value one word of ``b + 2`` bits, its index within its chunk (``b = ceil(log2(longest chunk))``, at
-most 12 bits for the default chunk) and its 2-bit code, sent as the word's low bytes
-(``(b + 2 - 1) // 8`` of them, uint8) and its top bits bit-packed; then two float32 magnitudes per chunk.
-At the defaults a chunk of 4096 float32 values (16384 bytes) is 64 * 14 bits + 8 bytes = 120 bytes.
+kept value one word of ``b + 2`` bits, its index within its chunk (``b = ceil(log2(chunk))``: 12 bits at the
+default chunk) and its 2-bit code, sent as the word's ``(b + 1) // 8`` low bytes (uint8; none for chunks of
+up to 64) and its remaining top bits, bit-packed tensor by tensor; then two float32 magnitudes per chunk. A
+bucket's payload is its tensors' payloads back to back, part by part. At the defaults a chunk of 4096
+float32 values (16384 bytes) is 64 * 14 bits + 8 bytes = 120 bytes, 136.5x smaller.
 
 **Error feedback** lives here (``ef_decay``, the paper's decay ``beta`` of 0.95; 0 switches it off; 1 is
 plain error feedback), like DGC's buffers: the hook's own is refused (:attr:`ErrorFeedback.UNSUPPORTED`: a
@@ -36,18 +37,27 @@ accumulator is keyed by the hook's tensor keys and checkpointed by :meth:`Sparse
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from gradcomm.compression._numerics import nonzero_or_one, pack_bits, unpack_bits, work_dtype, zeros_in
+from gradcomm.compression._numerics import nonzero_or_one, work_dtype, zeros_in
 from gradcomm.compression.base import _STREAM_KEY, ErrorFeedback, Payload, SegmentedCompressor
 from gradcomm.compression.communicators import ALLGATHER
 from gradcomm.compression.memory import ResidualMemory
 from gradcomm.compression.segment_sparse import Budget, segment_topk
-from gradcomm.compression.segments import Segments, as_dtype, segment_mean_abs, segment_reduce
+from gradcomm.compression.segments import (
+    Segments,
+    as_dtype,
+    decode_segments,
+    pack_segments,
+    packed_lengths,
+    segment_mean_abs,
+    segment_reduce,
+)
 
 __all__ = ["SparseLoCo"]
 
@@ -55,12 +65,18 @@ _CODE_BITS = 2
 _DESCRIBE = "SparseLoCo: the accumulator kept for {key} has shape"
 
 
-def _word_split(longest: int) -> tuple[int, int]:
-    """For chunks of at most ``longest`` elements: the whole low bytes of a value's word (index and code)
-    and the bits of its top part, packed."""
-    bits = max(longest - 1, 0).bit_length() + _CODE_BITS
+def _word_split(chunk: int) -> tuple[int, int]:
+    """For chunks of ``chunk`` elements: the whole low bytes of a value's word (index and code) and the bits
+    of its top part, packed."""
+    bits = (chunk - 1).bit_length() + _CODE_BITS
     low_bytes = (bits - 1) // 8
     return low_bytes, bits - 8 * low_bytes
+
+
+@functools.lru_cache(maxsize=8)
+def _top_values(bits: int, device: torch.device) -> torch.Tensor:
+    """Each top code as itself (int64), the table :func:`decode_segments` looks codes up in. Shared: read it."""
+    return torch.arange(2**bits, dtype=torch.int64, device=device)
 
 
 class SparseLoCo(
@@ -97,18 +113,24 @@ class SparseLoCo(
     def _chunk_lengths(self, lengths: Sequence[int]) -> list[int]:
         return [min(self.chunk, n - start) for n in lengths for start in range(0, n, self.chunk)]
 
+    def _kept(self, length: int) -> int:
+        """Values sent of a tensor of ``length`` elements."""
+        return sum(self.k(n) for n in self._chunk_lengths([length]))
+
     def payload_layout(self, lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
-        chunks = self._chunk_lengths(lengths)
-        total = sum(self.k(n) for n in chunks)
-        low_bytes, top_bits = _word_split(max(chunks, default=1))
-        return [
-            (total * low_bytes + -(-total * top_bits // 8), torch.uint8),
-            (2 * len(chunks), work_dtype(dtype)),
-        ]
+        kept = [self._kept(n) for n in lengths]
+        low_bytes, top_bits = _word_split(self.chunk)
+        low = [(sum(kept) * low_bytes, torch.uint8)] if low_bytes else []
+        chunks = len(self._chunk_lengths(lengths))
+        return [*low, (sum(packed_lengths(kept, top_bits)), torch.uint8), (2 * chunks, work_dtype(dtype))]
 
     def _budget(self, segments: Segments) -> Budget:
         chunks = segments.chunked(self.chunk)
         return chunks.budget([self.k(n) for n in chunks.lengths])
+
+    def _kept_segments(self, segments: Segments) -> Segments:
+        """The values each tensor sends, as segments: its words' top bits are packed as for it alone."""
+        return segments.relaid([self._kept(n) for n in segments.lengths])
 
     @contextlib.contextmanager
     def stream(self, key: Hashable) -> Iterator[None]:
@@ -121,13 +143,12 @@ class SparseLoCo(
 
     # -- the math ------------------------------------------------------------------------------------------
     def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
-        budget = self._budget(segments)
         if not self.ef_decay:
-            return self._encode(flat, budget)[0], None
+            return self._encode(flat, segments)[0], None
         held = self._accumulation.held_segments(segments, flat)
         try:  # e = beta e + x, in place; a failure midway drops the accumulator (as error feedback does)
             accumulated = flat.clone() if held is None else held.mul_(self.ef_decay).add_(flat)
-            payload, indices, sent = self._encode(accumulated, budget)
+            payload, indices, sent = self._encode(accumulated, segments)
             kept = accumulated.index_select(0, indices)
             self._accumulation.store_segments(segments, accumulated.index_copy_(0, indices, kept.sub_(sent)))
         except BaseException:
@@ -135,13 +156,14 @@ class SparseLoCo(
             raise
         return payload, None
 
-    def _encode(self, flat: torch.Tensor, budget: Budget) -> tuple[Payload, torch.Tensor, torch.Tensor]:
+    def _encode(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, torch.Tensor, torch.Tensor]:
         """The payload of ``flat``'s chunks, the indices it keeps and the values it sends there (in
         ``flat``'s dtype)."""
+        budget = self._budget(segments)
         chosen = budget.chosen
         if budget.total == 0:  # only empty tensors: nothing to choose
             empty = flat.new_empty(0)
-            layout = self.payload_layout(budget.segments.lengths, flat.dtype)
+            layout = self.payload_layout(segments.lengths, flat.dtype)
             return [flat.new_empty(0, dtype=dtype) for _, dtype in layout], empty.long(), empty
         indices = segment_topk(flat, budget)
         kept = as_dtype(flat.index_select(0, indices), work_dtype(flat.dtype))
@@ -160,7 +182,7 @@ class SparseLoCo(
         )
         scales = torch.stack([low, high], dim=1).clamp_(max=torch.finfo(kept.dtype).max)
         codes = big.to(torch.int64).add_(torch.lt(kept, 0).to(torch.int64), alpha=2)
-        payload = [self._pack(indices - budget.starts, codes, budget), scales.reshape(-1)]
+        payload = [*self._pack(indices - budget.starts, codes, segments), scales.reshape(-1)]
         return payload, indices, as_dtype(self._values(codes, scales, chosen), flat.dtype)
 
     @staticmethod
@@ -170,24 +192,29 @@ class SparseLoCo(
         return table.index_select(0, chosen.ids * 4 + codes)
 
     # -- the wire format -----------------------------------------------------------------------------------
-    @staticmethod
-    def _pack(local: torch.Tensor, codes: torch.Tensor, budget: Budget) -> torch.Tensor:
-        low_bytes, top_bits = _word_split(max(budget.segments.lengths, default=1))
+    def _pack(self, local: torch.Tensor, codes: torch.Tensor, segments: Segments) -> list[torch.Tensor]:
+        """The words' low bytes (where there are any), then their top bits packed tensor by tensor."""
+        low_bytes, top_bits = _word_split(self.chunk)
         words = local.bitwise_left_shift(_CODE_BITS).bitwise_or_(codes)  # int64, little-endian bytes
-        low = words.view(torch.uint8).view(-1, 8)[:, :low_bytes].reshape(-1)
-        top = pack_bits(words.bitwise_right_shift(8 * low_bytes).to(torch.uint8), top_bits)
-        return torch.cat([low, top])
+        top = words.bitwise_right_shift(8 * low_bytes).to(torch.uint8)
+        packed = pack_segments(top, self._kept_segments(segments), top_bits)
+        if not low_bytes:
+            return [packed]
+        return [words.view(torch.uint8).view(-1, 8)[:, :low_bytes].reshape(-1), packed]
 
-    def _decode(self, payload: Payload, budget: Budget) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(self, payload: Payload, segments: Segments) -> tuple[torch.Tensor, torch.Tensor]:
         """Indices into the flat tensor and values (work dtype) of one rank's payload."""
-        packed, scales = payload
-        low_bytes, top_bits = _word_split(max(budget.segments.lengths, default=1))
+        budget = self._budget(segments)
+        low_bytes, top_bits = _word_split(self.chunk)
+        *low, packed, scales = payload
         total = budget.total
         words = torch.zeros(total, 8, dtype=torch.uint8, device=packed.device)
-        words[:, :low_bytes] = packed[: total * low_bytes].view(total, low_bytes)
+        if low_bytes:
+            words[:, :low_bytes] = low[0].view(total, low_bytes)
         words = words.view(torch.int64).view(-1)
-        top = unpack_bits(packed[total * low_bytes :], top_bits, total).to(torch.int64)
-        words.bitwise_or_(top.bitwise_left_shift_(8 * low_bytes))
+        tops = _top_values(top_bits, packed.device)
+        top = decode_segments(packed, self._kept_segments(segments), top_bits, tops)
+        words.bitwise_or_(top.bitwise_left_shift(8 * low_bytes))
         codes = words.bitwise_and(2**_CODE_BITS - 1)
         indices = words.bitwise_right_shift_(_CODE_BITS).add_(budget.starts)
         return indices, self._values(codes, scales.view(-1, 2), budget.chosen)
@@ -195,7 +222,7 @@ class SparseLoCo(
     def decompress_segments(
         self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        indices, values = self._decode(payload, self._budget(segments))
+        indices, values = self._decode(payload, segments)
         dense = zeros_in(out, segments.numel, segments.dtype, values.device)
         return dense.index_put_((indices,), as_dtype(values, segments.dtype))
 
@@ -204,10 +231,9 @@ class SparseLoCo(
     ) -> torch.Tensor:
         """The mean over ranks, summed in rank order (indices are distinct within a rank: deterministic)."""
         world_size = gathered[0].shape[0]
-        budget = self._budget(segments)
         total = zeros_in(out, segments.numel, segments.dtype, gathered[0].device)
         for rank in range(world_size):
-            indices, values = self._decode([part[rank] for part in gathered], budget)
+            indices, values = self._decode([part[rank] for part in gathered], segments)
             total.index_add_(0, indices, as_dtype(values, segments.dtype) / world_size)
         return total
 
