@@ -285,6 +285,7 @@ CEILINGS = {
     "qsgd": 151,
     "randomk": 42,
     "signsgd": 58,
+    "sparseloco": 495,
     "terngrad": 208,
     "topk": 48,
 }

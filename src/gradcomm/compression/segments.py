@@ -127,6 +127,21 @@ class Segments:
             cache[key] = Segments(key, self.keys, self.shapes, self.dtype, self.device)
         return cache[key]
 
+    def chunked(self, size: int) -> Segments:
+        """Every segment cut into chunks of ``size`` elements (its last one shorter), each chunk a segment
+        keyed ``(key, j)``: the same flat tensor, laid out for per-chunk statistics and budgets (cached per
+        size). Chunks of one length lie at one stride, so per-chunk work goes by :class:`Groups` runs."""
+        cache = self.__dict__.setdefault("_chunked", {})
+        if size not in cache:
+            lengths, keys = [], []
+            for key, length in zip(self.keys, self.lengths, strict=True):
+                for j, start in enumerate(range(0, length, size)):
+                    lengths.append(min(size, length - start))
+                    keys.append((key, j))
+            shapes = tuple(torch.Size([n]) for n in lengths)
+            cache[size] = Segments(tuple(lengths), tuple(keys), shapes, self.dtype, self.device)
+        return cache[size]
+
     @functools.cached_property
     def chunks(self) -> Chunks | None:
         """The segments cut into chunks of one length, where one divides them all and they are more than one
@@ -415,7 +430,8 @@ def _arithmetic_runs(positions: list[int], starts: Sequence[int], length: int) -
             while stride >= length and nxt in by_start:
                 run.append(by_start.pop(nxt))
                 nxt += stride
-            left = [p for p in left if p not in run]
+            taken = set(run)  # a list's membership test made this quadratic in the segments
+            left = [p for p in left if p not in taken]
             if len(run) == 1:
                 stride = length
         runs.append((run, stride))

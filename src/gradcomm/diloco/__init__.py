@@ -35,10 +35,12 @@ local values by the new global ones, so that the replicas are identical again ri
 quantizing hook, ``compressor="qsgd"`` (4 bits: 7 levels and a sign) or ``"quantize_per_tensor"`` (8 bits).
 
 **SparseLoCo** (arXiv 2508.15706): top-k at 1-3% density with error feedback and 2-bit quantisation of the
-pseudo-gradients. Its top-k part with error feedback is ``compressor="topk:ratio=0.02"`` (or any compression
-method of :mod:`gradcomm.compression` with error feedback; its residuals live in the hook state, keyed by
-parameter, or by ``name[start:stop]`` for the part of a cut parameter); the 2-bit quantisation of the kept
-values is not a method of gradcomm yet.
+pseudo-gradients, ``compressor="sparseloco"`` (:mod:`gradcomm.compression.methods.sparseloco`: per chunk of
+4096 values of a tensor its 64 largest, each a sign and one of the chunk's two magnitudes, from an
+accumulator decayed by ``ef_decay=0.95``), with the default outer step: the paper replaces outer momentum by
+that accumulator and averages plainly. Its accumulators live in the hook state, keyed by parameter, and are
+checkpointed, by parameter, or by ``name[start:stop]`` for the part of a cut parameter; any other compression
+method with error feedback works the same way (``"topk:ratio=0.02"``).
 
 The outer exchange is the DDP hook machinery: each fragment's pseudo-gradients are flattened per dtype into
 :class:`~gradcomm.GradBucket` buffers and reduced by the averaging allreduce or by the ``compressor`` hook
