@@ -5,7 +5,7 @@ timeout); a killed rank gives the other PeerLostError at once. Either way the an
 synced parameters, loadable into a fresh model, and the DiLoCo refuses further steps. Exchanges of several
 fragments overlapping in time through multi-stage hooks keep their collectives in the same order on every
 rank. Nested in a DDP over each node (4 ranks, LOCAL_WORLD_SIZE=2), the node's replicas agree at every step
-and all four right after each outer sync only.
+and all four right after each outer sync only, batch-norm buffers included.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import gradcomm
 from gradcomm.diloco import DiLoCo
 from gradcomm.hooks import default_hooks
 from gradcomm.testing import RankError, run_on_ranks
-from tests.diloco.test_diloco import _backward, _inner, _model, _same_on_every_rank, _train
+from tests.diloco.test_diloco import _backward, _batch_norm_model, _inner, _model, _same_on_every_rank, _train
 from tests.support.ranks import error_text
 
 FAULT_TIMEOUT = 5
@@ -186,7 +186,7 @@ def nested_in_ddp(kind: str) -> dict[str, Any]:
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     rank = dist.get_rank()
     nodes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    model = _model()
+    model = _batch_norm_model()
     node = nodes[rank // 2]
     if kind == "gradcomm":
         ddp: torch.nn.Module = gradcomm.DistributedDataParallel(model, process_group=node)
@@ -197,6 +197,7 @@ def nested_in_ddp(kind: str) -> dict[str, Any]:
         "group": dist.get_process_group_ranks(diloco.group),
         "node_same": [],
         "all_same": [],
+        "buffers_same": [],
     }
     for t in range(1, 8):
         _backward(ddp, t)
@@ -209,6 +210,10 @@ def nested_in_ddp(kind: str) -> dict[str, Any]:
             torch.equal(everyone[0], everyone[1]) and torch.equal(everyone[2], everyone[3])
         )
         out["all_same"].append(all(torch.equal(e, everyone[0]) for e in everyone))
+        stats = torch.cat([b.detach().reshape(-1).double() for b in model.buffers()])
+        buffers = [torch.empty_like(stats) for _ in range(4)]
+        dist.all_gather(buffers, stats)
+        out["buffers_same"].append(all(torch.equal(b, buffers[0]) for b in buffers))
     return out
 
 
@@ -221,3 +226,6 @@ def test_nested_in_a_ddp_works_across_nodes(kind: str) -> None:
     for r in ranks:
         assert all(r["node_same"]), r
         assert r["all_same"] == [t % 3 == 0 for t in range(1, 8)], r
+        # the node's buffers are its first rank's (the DDP broadcasts them at every forward): averaged across
+        # the nodes from those, they are the same on all four right after a sync
+        assert [same for t, same in enumerate(r["buffers_same"], 1) if t % 3 == 0] == [True, True], r

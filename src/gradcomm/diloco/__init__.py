@@ -74,7 +74,9 @@ on every rank within the process group's timeout; the anchors (:meth:`DiLoCo.syn
 the compressor's state and any exchange in flight, in tensors and plain values (``torch.load(...,
 weights_only=True)``), so a resumed run equals the uninterrupted one bit for bit. Buffers (batch-norm
 statistics) are averaged at every sync of fragment 0 (see :mod:`gradcomm.diloco.buffers`), so right after it
-they too are the same on every rank (:meth:`DiLoCo.synced_buffers`).
+they too are the same on every rank (:meth:`DiLoCo.synced_buffers`); in a DDP that broadcasts its buffers at
+every forward (the default), the buffers averaged are those of the DDP group's first rank, which the group's
+other ranks would take at their next forward anyway.
 """
 
 from gradcomm.diloco.core import DiLoCo

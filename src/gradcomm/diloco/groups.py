@@ -17,7 +17,7 @@ from torch.distributed import ProcessGroup
 from gradcomm.comm.agreement import check_same_on_all_ranks
 from gradcomm.comm.faults import derived_group_timeout
 
-__all__ = ["across_nodes_group", "unwrap_ddp"]
+__all__ = ["across_nodes_group", "buffer_source_group", "unwrap_ddp"]
 
 _ENV = "LOCAL_WORLD_SIZE"
 
@@ -35,6 +35,17 @@ def unwrap_ddp(model: nn.Module) -> tuple[nn.Module, bool]:
     if isinstance(model, ddp_types):
         return model.module, True
     return model, False
+
+
+def buffer_source_group(model: nn.Module) -> ProcessGroup | None:
+    """The group of a DDP ``model`` that broadcasts its buffers from its first rank at every forward (gradcomm's
+    and torch's ``forward_sync_buffers``), or ``None``. In such a DDP the buffers of the group's other ranks are
+    overwritten before they are used: the replica's buffers are the first rank's, so those are what an outer
+    sync must average across the groups, and what every rank of the group must hold after it."""
+    if not getattr(model, "forward_sync_buffers", False):
+        return None
+    group = getattr(model, "process_group", None)
+    return group if group is not None else dist.group.WORLD
 
 
 def across_nodes_group() -> ProcessGroup:
