@@ -287,7 +287,8 @@ class DiLoCoTrainer(Trainer):
         from gradcomm.diloco import DiLoCo
 
         self.workload, self.model, self.group = workload, model, group
-        self.forward, self.ddp = self._replica(model, group)
+        self.ddp = self._host_ddp(model, group)
+        self.forward = model if self.ddp is None else self.ddp
         inner = torch.optim.AdamW(model.parameters(), lr=lr)
         compressor = options["compressor"]
         if compressor != "none":
@@ -310,13 +311,13 @@ class DiLoCoTrainer(Trainer):
         self._step = (0, 0.0)
 
     @staticmethod
-    def _replica(model: nn.Module, group: Any) -> tuple[nn.Module, Any]:
-        """What trains one replica: ``model`` alone, or on several hosts of several ranks gradcomm's DDP of
-        it over the host's ranks (plain allreduce), which DiLoCo then works across (from ``LOCAL_WORLD_SIZE``,
-        as the host's ranks here). Also returns the DDP, or None. A collective when it builds a DDP."""
+    def _host_ddp(model: nn.Module, group: Any) -> Any:
+        """On several hosts of several ranks, gradcomm's DDP of ``model`` over the host's ranks (plain
+        allreduce), which DiLoCo then works across (from ``LOCAL_WORLD_SIZE``, as the host's ranks here);
+        else None (each rank is a replica). A collective when it builds one."""
         per_host = ranks_per_host(group)
         if per_host is None:
-            return model, None
+            return None
         from gradcomm.ddp.distributed import DistributedDataParallel
         from gradcomm.hooks.registry import make_comm_hook
 
@@ -326,7 +327,7 @@ class DiLoCoTrainer(Trainer):
         ddp.register_comm_hook(state, hook)
         hosts = dist.get_world_size() // per_host
         logger.info("diloco: one replica per host (%d hosts of %d ranks, a DDP in each)", hosts, per_host)
-        return ddp, ddp
+        return ddp
 
     def step(self, batch: Any) -> torch.Tensor:
         inputs, target = batch
