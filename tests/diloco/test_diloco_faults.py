@@ -5,7 +5,8 @@ timeout); a killed rank gives the other PeerLostError at once. Either way the an
 synced parameters, loadable into a fresh model, and the DiLoCo refuses further steps. Exchanges of several
 fragments overlapping in time through multi-stage hooks keep their collectives in the same order on every
 rank. Nested in a DDP over each node (4 ranks, LOCAL_WORLD_SIZE=2), the node's replicas agree at every step
-and all four right after each outer sync only, batch-norm buffers included.
+and all four right after each outer sync only, batch-norm buffers included, with a compressor that rounds
+at random too.
 """
 
 from __future__ import annotations
@@ -188,11 +189,14 @@ def nested_in_ddp(kind: str) -> dict[str, Any]:
     nodes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     model = _batch_norm_model()
     node = nodes[rank // 2]
-    if kind == "gradcomm":
+    if kind.startswith("gradcomm"):
         ddp: torch.nn.Module = gradcomm.DistributedDataParallel(model, process_group=node)
     else:
         ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=node)
-    diloco = DiLoCo(ddp, _inner(model), sync_every=3)
+    # QSGD rounds at random: the two groups across the nodes, ranks 0 and 2 and ranks 1 and 3, each get
+    # an average of their own, of which each node must keep one
+    compressor = "qsgd:bucket_size=8,min_numel=0,min_compression_rate=0" if kind.endswith("qsgd") else None
+    diloco = DiLoCo(ddp, _inner(model), sync_every=3, compressor=compressor)
     out: dict[str, Any] = {
         "group": dist.get_process_group_ranks(diloco.group),
         "node_same": [],
@@ -219,7 +223,7 @@ def nested_in_ddp(kind: str) -> dict[str, Any]:
 
 @pytest.mark.timeout(200)
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["gradcomm", "torch"])
+@pytest.mark.parametrize("kind", ["gradcomm", "torch", "gradcomm-qsgd"])
 def test_nested_in_a_ddp_works_across_nodes(kind: str) -> None:
     ranks = run_on_ranks(nested_in_ddp, 4, args=(kind,), timeout=150, collective_timeout=30)
     assert [r["group"] for r in ranks] == [[0, 2], [1, 3], [0, 2], [1, 3]]

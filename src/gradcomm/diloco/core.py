@@ -20,7 +20,7 @@ from gradcomm.comm.telemetry import CommStats
 from gradcomm.diloco.buffers import average_buffers
 from gradcomm.diloco.exchange import FragmentExchange, PendingExchange
 from gradcomm.diloco.fragments import Fragment, split_into_fragments
-from gradcomm.diloco.groups import across_nodes_group, buffer_source_group, unwrap_ddp
+from gradcomm.diloco.groups import across_nodes_group, replica_group, unwrap_ddp
 from gradcomm.diloco.runners import FragmentRunners
 from gradcomm.diloco.state import Compressor, describe_outer, load_diloco_state
 from gradcomm.hooks.parameter_keys import name_parameters
@@ -98,7 +98,8 @@ class DiLoCo:
         module, wrapped = unwrap_ddp(model)
         if process_group is None and wrapped:
             process_group = across_nodes_group()
-        self._buffer_source = buffer_source_group(model) if wrapped else None
+        self._replica_group = replica_group(model) if wrapped else None
+        self._buffer_source = self._replica_group if getattr(model, "forward_sync_buffers", False) else None
         self.module, self.inner_optimizer, self.group = module, inner_optimizer, process_group
         self.sync_every, self.overlap, self.mixing, self.check_replicas = (
             sync_every,
@@ -208,6 +209,10 @@ class DiLoCo:
         fragment's parameters from them (mixed with the local ones where ``mixing`` > 0)."""
         pending = self._pending[index]
         averaged = self._exchanges[index].collect(self._runners[index], pending)
+        if self._replica_group is not None:
+            where = "broadcasting the averaged pseudo-gradients inside the DDP's group"
+            with reporting_lost_peers(self.inner_steps, where, self._replica_group):
+                broadcast_coalesced(averaged, self._replica_group)
         anchors, fragment = self.anchors[index], self.fragments[index]
         for anchor, grad in zip(anchors, averaged, strict=True):
             anchor.grad = grad.to(anchor.device)

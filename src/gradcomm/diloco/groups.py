@@ -17,7 +17,7 @@ from torch.distributed import ProcessGroup
 from gradcomm.comm.agreement import check_same_on_all_ranks
 from gradcomm.comm.faults import derived_group_timeout
 
-__all__ = ["across_nodes_group", "buffer_source_group", "unwrap_ddp"]
+__all__ = ["across_nodes_group", "replica_group", "unwrap_ddp"]
 
 _ENV = "LOCAL_WORLD_SIZE"
 
@@ -37,15 +37,19 @@ def unwrap_ddp(model: nn.Module) -> tuple[nn.Module, bool]:
     return model, False
 
 
-def buffer_source_group(model: nn.Module) -> ProcessGroup | None:
-    """The group of a DDP ``model`` that broadcasts its buffers from its first rank at every forward (gradcomm's
-    and torch's ``forward_sync_buffers``), or ``None``. In such a DDP the buffers of the group's other ranks are
-    overwritten before they are used: the replica's buffers are the first rank's, so those are what an outer
-    sync must average across the groups, and what every rank of the group must hold after it."""
-    if not getattr(model, "forward_sync_buffers", False):
-        return None
+def replica_group(model: nn.Module) -> ProcessGroup | None:
+    """The group of a DDP ``model`` (its ranks train one replica together), or ``None`` when the DDP spans a
+    single rank.
+
+    Its ranks hold the same parameters between syncs, but each exchanges its pseudo-gradients with its own
+    peers on the other nodes (the ranks of its local rank): a compressor that rounds at random (QSGD) or a
+    collective that sums in another order gives each a different average, so the replica's ranks must take
+    one of them, its first rank's. A DDP that broadcasts its buffers at every forward (gradcomm's and
+    torch's ``forward_sync_buffers``) also makes its first rank's buffers the replica's.
+    """
     group = getattr(model, "process_group", None)
-    return group if group is not None else dist.group.WORLD
+    group = group if group is not None else dist.group.WORLD
+    return group if dist.get_world_size(group) > 1 else None
 
 
 def across_nodes_group() -> ProcessGroup:
