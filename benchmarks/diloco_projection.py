@@ -14,6 +14,10 @@ seed; a label seen twice keeps its first run) and prints, at ``--rate``:
    it (``k`` steps after the launch) waits for its end. The mean step time is set against the compute step
    (no network): Streaming DiLoCo's promise is that it stays within a few percent of it.
 
+On emulated hosts (``gradcomm bench --nodes``), a run's bytes are those that crossed the link between hosts
+(its ``host_link_mb_per_step`` in the summaries, every step charged the same, as the bench's projection
+does), not the ranks' own, which include their traffic inside a host; the overlap table is then left out.
+
 Deterministic given the runs (the measured compute time is the only timing in it; the load on the machine
 moves it, not the bytes).
 
@@ -37,13 +41,25 @@ _WARMUP = 10  # the bench's default --warmup: the steps a hook's median leaves o
 
 
 def load_runs(folders: list[Path]) -> list[dict[str, Any]]:
-    """Rank 0's runs of every folder, first occurrence of each label kept."""
+    """Rank 0's runs of every folder, first occurrence of each label kept; on emulated hosts each with
+    ``host_link_bytes_per_step``, the bytes per step that crossed the host link (from the summaries)."""
     runs: dict[str, dict[str, Any]] = {}
     for folder in folders:
         document = json.loads((folder / "results.json").read_text())
+        crossed = {s["label"]: s.get("host_link_mb_per_step") for s in document["summaries"]}
         for run in document["runs_by_rank"][0]:
+            if crossed.get(run["label"]) is not None:
+                run = {**run, "host_link_bytes_per_step": 1e6 * crossed[run["label"]]}
             runs.setdefault(run["label"], run)
     return list(runs.values())
+
+
+def _link_bytes(run: dict[str, Any]) -> list[float] | None:
+    """Each step's bytes over the link to project: the host link's on emulated hosts, else None (the run's
+    own wire bytes)."""
+    if "host_link_bytes_per_step" not in run:
+        return None
+    return [run["host_link_bytes_per_step"]] * len(run["losses"])
 
 
 def overlapped_step_seconds(
@@ -77,6 +93,14 @@ def _bytes_per_step(run: dict[str, Any]) -> float:
     return statistics.median(run["bytes_per_step"][_WARMUP:])
 
 
+def _link_mb(run: dict[str, Any]) -> float:
+    """MB per step the projection moves over the link: the host link's on emulated hosts, else the mean
+    of the run's own wire bytes."""
+    if "host_link_bytes_per_step" in run:
+        return run["host_link_bytes_per_step"] / 1e6
+    return statistics.fmean(run["wire_bytes_per_step"]) / 1e6
+
+
 def _is_diloco(run: dict[str, Any]) -> bool:
     return method_named(run["hook"]) is not None
 
@@ -103,12 +127,13 @@ def main() -> None:
     )
     print()
     print(
-        "| run | steps | final loss | fewer bytes than allreduce | projected s to target | allreduce / it | best per-step hook / it |"
+        "| run | steps | final loss | MB/step on the link | fewer bytes than allreduce | projected s to target "
+        "| allreduce / it | best per-step hook / it |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     reference = next((r for r in same_length if r["hook"] == "allreduce"), None)
     to_target = {
-        run["label"]: time_to_loss(projected_step_seconds(run, rate), run["losses"], target.loss)
+        run["label"]: time_to_loss(projected_step_seconds(run, rate, _link_bytes(run)), run["losses"], target.loss)
         for run in same_length
     }
     hooks = [r["label"] for r in same_length if not _is_diloco(r) and r["hook"] != "allreduce"]
@@ -118,13 +143,17 @@ def main() -> None:
         seconds = to_target[run["label"]]
         loss = run["final_loss"]
         relative = f" ({100 * (loss / reference['final_loss'] - 1):+.1f}%)" if reference else ""
-        fewer = run["dense_bytes_per_step"] / max(_bytes_per_step(run), 1e-12)
+        if "host_link_bytes_per_step" in run and reference is not None and "host_link_bytes_per_step" in reference:
+            fewer = reference["host_link_bytes_per_step"] / max(run["host_link_bytes_per_step"], 1e-12)
+        else:
+            fewer = run["dense_bytes_per_step"] / max(_bytes_per_step(run), 1e-12)
         allreduce = to_target.get(reference["label"]) if reference else None
         ratio = f"{allreduce / seconds:.1f}x" if seconds and allreduce else "-"
         against_hook = f"{best_hook / seconds:.1f}x" if seconds and best_hook else "-"
         shown = "not reached" if seconds is None else f"{seconds:.1f}"
         print(
-            f"| {run['label']} | {len(run['losses'])} | {loss:.3f}{relative} | {fewer:.1f}x | {shown} | {ratio} | {against_hook} |"
+            f"| {run['label']} | {len(run['losses'])} | {loss:.4f}{relative} | {_link_mb(run):.4f} | {fewer:.1f}x | "
+            f"{shown} | {ratio} | {against_hook} |"
         )
     missed = [label for label, seconds in to_target.items() if seconds is None]
     if missed:
@@ -137,7 +166,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|")
     for run in runs:
-        if not _is_diloco(run):
+        if not _is_diloco(run) or "host_link_bytes_per_step" in run:
             continue
         overlap = int(run["options"].get("overlap", 0))
         compute = run["compute_seconds"]

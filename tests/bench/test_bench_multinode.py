@@ -143,8 +143,9 @@ def _bench(output: Path, *extra: str) -> list[str]:
 def test_two_hosts_of_two_ranks_measure_the_host_links(tmp_path: Path, privileged: None) -> None:
     output = tmp_path / "run"
     bench = subprocess.Popen(
-        _bench(output, "--steps", "4", "--warmup", "1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+        _bench(output, "--steps", "4", "--warmup", "1", "--hooks", "allreduce", "diloco:sync_every=2"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
     try:
         out, err = bench.communicate(timeout=450)
         assert bench.returncode == 0, err + out
@@ -169,6 +170,18 @@ def test_two_hosts_of_two_ranks_measure_the_host_links(tmp_path: Path, privilege
         summary = document["summaries"][0]
         assert 0.9 < summary["host_link_mb_per_step"] * 1e6 / wire < 1.3, summary
         assert summary["floor_ms"] > summary["compute_ms"]
+        # DiLoCo: a DDP in each host, DiLoCo across them; the DDP's allreduce stays inside the host, and each
+        # of the two groups across the hosts (ranks 0 and 2, 1 and 3) crosses once each way per sync
+        diloco = [ranks[1] for ranks in document["runs_by_rank"]]
+        dense = diloco[0]["dense_bytes_per_step"]
+        assert diloco[0]["bytes_per_step"][0::2] == [dense] * 2  # the DDP's, inside the host
+        exchange = diloco[0]["wire_bytes_per_step"][1] - diloco[0]["wire_bytes_per_step"][0]  # 2 ranks: 1x
+        for run in diloco:
+            if run["host_link_bytes"] is not None:
+                for way in run["host_link_bytes"][-1]:
+                    assert 0.9 < way / (2 * 2 * exchange) < 1.3, (run["host_link_bytes"], exchange)
+        assert "one replica per host (2 hosts of 2 ranks" in (output / "logs" / "rank0.log").read_text()
+        assert len({run["final_loss"] for run in diloco}) == 1
         for name in ("host0.log", "host1.log", "rank0.log", "rank1.log", "rank2.log", "rank3.log"):
             assert (output / "logs" / name).stat().st_size > 0, name
         assert "training 4 steps on 4 ranks" in (output / "logs" / "rank3.log").read_text()

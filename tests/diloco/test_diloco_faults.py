@@ -5,7 +5,8 @@ timeout); a killed rank gives the other PeerLostError at once. Either way the an
 synced parameters, loadable into a fresh model, and the DiLoCo refuses further steps. Exchanges of several
 fragments overlapping in time through multi-stage hooks keep their collectives in the same order on every
 rank. Nested in a DDP over each node (4 ranks, LOCAL_WORLD_SIZE=2), the node's replicas agree at every step
-and all four right after each outer sync only.
+and all four right after each outer sync only, batch-norm buffers included, with a compressor that rounds
+at random too.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import gradcomm
 from gradcomm.diloco import DiLoCo
 from gradcomm.hooks import default_hooks
 from gradcomm.testing import RankError, run_on_ranks
-from tests.diloco.test_diloco import _backward, _inner, _model, _same_on_every_rank, _train
+from tests.diloco.test_diloco import _backward, _batch_norm_model, _inner, _model, _same_on_every_rank, _train
 from tests.support.ranks import error_text
 
 FAULT_TIMEOUT = 5
@@ -187,17 +188,21 @@ def nested_in_ddp(kind: str) -> dict[str, Any]:
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     rank = dist.get_rank()
     nodes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    model = _model()
+    model = _batch_norm_model()
     node = nodes[rank // 2]
-    if kind == "gradcomm":
+    if kind.startswith("gradcomm"):
         ddp: torch.nn.Module = gradcomm.DistributedDataParallel(model, process_group=node)
     else:
         ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=node)
-    diloco = DiLoCo(ddp, _inner(model), sync_every=3)
+    # QSGD rounds at random: the two groups across the nodes, ranks 0 and 2 and ranks 1 and 3, each get
+    # an average of their own, of which each node must keep one
+    compressor = "qsgd:bucket_size=8,min_numel=0,min_compression_rate=0" if kind.endswith("qsgd") else None
+    diloco = DiLoCo(ddp, _inner(model), sync_every=3, compressor=compressor)
     out: dict[str, Any] = {
         "group": dist.get_process_group_ranks(diloco.group),
         "node_same": [],
         "all_same": [],
+        "buffers_same": [],
     }
     for t in range(1, 8):
         _backward(ddp, t)
@@ -210,15 +215,22 @@ def nested_in_ddp(kind: str) -> dict[str, Any]:
             torch.equal(everyone[0], everyone[1]) and torch.equal(everyone[2], everyone[3])
         )
         out["all_same"].append(all(torch.equal(e, everyone[0]) for e in everyone))
+        stats = torch.cat([b.detach().reshape(-1).double() for b in model.buffers()])
+        buffers = [torch.empty_like(stats) for _ in range(4)]
+        dist.all_gather(buffers, stats)
+        out["buffers_same"].append(all(torch.equal(b, buffers[0]) for b in buffers))
     return out
 
 
 @pytest.mark.timeout(200)
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["gradcomm", "torch"])
+@pytest.mark.parametrize("kind", ["gradcomm", "torch", "gradcomm-qsgd"])
 def test_nested_in_a_ddp_works_across_nodes(kind: str) -> None:
     ranks = run_on_ranks(nested_in_ddp, 4, args=(kind,), timeout=150, collective_timeout=30)
     assert [r["group"] for r in ranks] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     for r in ranks:
         assert all(r["node_same"]), r
         assert r["all_same"] == [t % 3 == 0 for t in range(1, 8)], r
+        # the node's buffers are its first rank's (the DDP broadcasts them at every forward): averaged across
+        # the nodes from those, they are the same on all four right after a sync
+        assert [same for t, same in enumerate(r["buffers_same"], 1) if t % 3 == 0] == [True, True], r

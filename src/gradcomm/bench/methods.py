@@ -6,8 +6,15 @@ accepts both in ``--hooks``: a name in :data:`METHODS` is a method, any other a 
 one object that checks its options before the ranks start and builds a :class:`Trainer` on the ranks, so the
 runner trains and measures every choice through the same few calls.
 
-What a method's row reports (:class:`DiLoCoMethod`): bytes per step are the outer exchanges' bytes averaged
-over *all* steps of the run (0 on a step without a sync, the sync's bytes on its step), the measured step time
+On several hosts of several ranks each (``gradcomm bench --nodes N --procs-per-node P``, or torchrun with
+``1 < LOCAL_WORLD_SIZE < WORLD_SIZE``), DiLoCo runs as :class:`gradcomm.DiLoCo` documents it for a cluster:
+each host's ranks train one replica through gradcomm's DDP (plain allreduce every step, on the host's fast
+link), and DiLoCo averages pseudo-gradients across the hosts only. On one host (the bench's local ranks) or
+one rank per host, DiLoCo runs over every rank, each rank a replica.
+
+What a method's row reports (:class:`DiLoCoMethod`): bytes per step are the outer exchanges' bytes (and, on
+hosts, the DDP's every step inside the host, as a hierarchical hook's row counts its stages inside the host)
+averaged over *all* steps of the run (0 on a step without a sync, the sync's bytes on its step), the measured step time
 the mean over the steps from warm-up on (a median would hide the syncs); the loss curve (and so time to
 target) is the mean over ranks of the inner training losses; the final loss and metric are those of the
 synchronised parameters and buffers (:meth:`gradcomm.DiLoCo.synced_parameters`, ``synced_buffers``),
@@ -18,7 +25,9 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +38,7 @@ from torch import nn
 
 from gradcomm import comm
 from gradcomm.bench.workloads import Workload
+from gradcomm.comm.faults import derived_group_timeout
 from gradcomm.hooks.registry import apply_option_defaults, check_options, parse_hook_choice, resolve_hook_name
 
 __all__ = [
@@ -40,7 +50,10 @@ __all__ = [
     "TrainingMethod",
     "compressor_choice",
     "method_named",
+    "ranks_per_host",
 ]
+
+logger = logging.getLogger(__name__)
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -199,8 +212,23 @@ def _diloco_default(option: str) -> Any:
     return inspect.signature(DiLoCo).parameters[option].default
 
 
+def ranks_per_host(group: Any) -> int | None:
+    """The ranks of each host when a method trains one replica per host (a DDP inside it), else ``None``.
+
+    ``None`` unless ``group`` is every rank (``None``; the compute-time runs on a group of one rank alone
+    are not split) and torchrun's ``LOCAL_WORLD_SIZE`` puts several ranks on each of several hosts: with one
+    host there is no slow link to spare, with one rank per host nothing to nest.
+    """
+    text = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if group is not None or not text.isdigit():
+        return None
+    per_host = int(text)
+    return per_host if 1 < per_host < dist.get_world_size() else None
+
+
 class DiLoCoMethod(TrainingMethod):
-    """:class:`gradcomm.DiLoCo` over every rank, the plain model on each (no DDP), AdamW as inner optimizer."""
+    """:class:`gradcomm.DiLoCo` with AdamW as inner optimizer: over every rank, the plain model on each; on
+    several hosts of several ranks, across the hosts, each host's replica a DDP (see the module)."""
 
     name = "diloco"
     options = (
@@ -270,13 +298,15 @@ class DiLoCoTrainer(Trainer):
         from gradcomm.diloco import DiLoCo
 
         self.workload, self.model, self.group = workload, model, group
+        self.ddp = self._host_ddp(model, group)
+        self.forward = model if self.ddp is None else self.ddp
         inner = torch.optim.AdamW(model.parameters(), lr=lr)
         compressor = options["compressor"]
         if compressor != "none":
             name, own = compressor_choice(compressor)
             compressor = f"{name}:{','.join(f'{k}={v}' for k, v in own.items())}"
         self.diloco = DiLoCo(
-            model,
+            self.forward,
             inner,
             sync_every=options["sync_every"],
             fragments=options["fragments"],
@@ -292,15 +322,38 @@ class DiLoCoTrainer(Trainer):
         self._totals = (0, 0.0)
         self._step = (0, 0.0)
 
+    @staticmethod
+    def _host_ddp(model: nn.Module, group: Any) -> Any:
+        """On several hosts of several ranks, gradcomm's DDP of ``model`` over the host's ranks (plain
+        allreduce), which DiLoCo then works across (from ``LOCAL_WORLD_SIZE``, as the host's ranks here);
+        else None (each rank is a replica). A collective when it builds one."""
+        per_host = ranks_per_host(group)
+        if per_host is None:
+            return None
+        from gradcomm.ddp.distributed import DistributedDataParallel
+        from gradcomm.hooks.registry import make_comm_hook
+
+        host, _ = dist.new_subgroups(group_size=per_host, timeout=derived_group_timeout())
+        ddp = DistributedDataParallel(model, process_group=host)
+        hook, state = make_comm_hook("allreduce", process_group=host)
+        ddp.register_comm_hook(state, hook)
+        hosts = dist.get_world_size() // per_host
+        logger.info("diloco: one replica per host (%d hosts of %d ranks, a DDP in each)", hosts, per_host)
+        return ddp
+
     def step(self, batch: Any) -> torch.Tensor:
         inputs, target = batch
-        loss = self.workload.loss(self.model(inputs), target)
+        loss = self.workload.loss(self.forward(inputs), target)
         loss.backward()
         self.diloco.step()
         self.diloco.zero_grad()
         total = self.diloco.comm_stats().total
-        self._step = (total.bytes_sent - self._totals[0], total.wire_bytes - self._totals[1])
+        sent, wire = total.bytes_sent - self._totals[0], total.wire_bytes - self._totals[1]
         self._totals = (total.bytes_sent, total.wire_bytes)
+        if self.ddp is not None:
+            inside = self.ddp.comm_stats().last
+            sent, wire = sent + inside.bytes_sent, wire + inside.wire_bytes
+        self._step = (sent, wire)
         return loss.detach()
 
     def step_bytes(self) -> tuple[int, float]:

@@ -164,15 +164,16 @@ def host_link_bytes_per_step(rank_runs: list[dict[str, Any]], warmup: int) -> fl
 
     ``rank_runs`` holds one hook's run from every rank; those that read their host's link carry
     ``host_link_bytes``, the link's (sent, received) bytes after each step. The mean over the steps from
-    ``warmup`` on is taken from the counters' totals, so that traffic a host saw late or early in one step is
-    counted in the next or previous one.
+    ``warmup`` on (for a run summarised by means, such as DiLoCo's, over every step, as its own bytes are:
+    see :func:`summarize`) is taken from the counters' totals, so that traffic a host saw late or early in one
+    step is counted in the next or previous one.
     """
     per_step = []
     for run in rank_runs:
         counters = run.get("host_link_bytes")
         if not counters:
             continue
-        first = min(warmup, len(counters) - 1)
+        first = 0 if run.get("steady_statistic", "median") == "mean" else min(warmup, len(counters) - 1)
         before = counters[first - 1] if first > 0 else (0, 0)
         steps = len(counters) - first
         per_step += [(counters[-1][way] - before[way]) / steps for way in (0, 1)]

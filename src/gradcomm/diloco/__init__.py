@@ -67,7 +67,9 @@ Usage::
 Wrapped in a DDP (``gradcomm.DiLoCo(DistributedDataParallel(model, ...), inner)``), the DDP averages the
 gradients every step within its group (e.g. a node) and DiLoCo works across the groups: by default over the
 ranks of the same local rank on every node (torchrun's ``LOCAL_WORLD_SIZE``); pass ``process_group=``
-otherwise. ``anchor_device="cpu"`` keeps the anchors and the outer optimizer's state off the accelerator.
+otherwise. Each rank of a node exchanges with its own peers, and a compressor that rounds at random gives
+each a different average, so the node's ranks take its first rank's (one broadcast inside the DDP's group
+per sync): the node's replicas stay identical. ``anchor_device="cpu"`` keeps the anchors and the outer optimizer's state off the accelerator.
 
 Guarantees: constructing a DiLoCo is a collective that broadcasts the parameters from the group's first rank
 and compares the setup (``sync_every``, ``fragments``, ``overlap``, ``mixing``, the outer optimizer, the
@@ -82,7 +84,9 @@ every rank within the process group's timeout; the anchors (:meth:`DiLoCo.synced
 the outer optimizer, the compressor's state and any exchange in flight, in tensors and plain values
 (``torch.load(..., weights_only=True)``), so a resumed run equals the uninterrupted one bit for bit. Buffers
 (batch-norm statistics) are averaged at every sync of fragment 0 (see :mod:`gradcomm.diloco.buffers`), so
-right after it they too are the same on every rank (:meth:`DiLoCo.synced_buffers`).
+right after it they too are the same on every rank (:meth:`DiLoCo.synced_buffers`); in a DDP that broadcasts
+its buffers at every forward (the default), the buffers averaged are those of the DDP group's first rank,
+which the group's other ranks would take at their next forward anyway.
 """
 
 from gradcomm.diloco.core import DiLoCo

@@ -15,11 +15,12 @@ from torch.distributed import ProcessGroup
 
 from gradcomm import comm
 from gradcomm.comm.agreement import broadcast_coalesced, check_same_parameters
+from gradcomm.comm.faults import reporting_lost_peers
 from gradcomm.comm.telemetry import CommStats
 from gradcomm.diloco.buffers import average_buffers
 from gradcomm.diloco.exchange import FragmentExchange, PendingExchange
 from gradcomm.diloco.fragments import Fragment, split_into_fragments
-from gradcomm.diloco.groups import across_nodes_group, unwrap_ddp
+from gradcomm.diloco.groups import across_nodes_group, replica_group, unwrap_ddp
 from gradcomm.diloco.runners import FragmentRunners
 from gradcomm.diloco.state import FORMAT, Compressor, describe_outer, load_diloco_state
 from gradcomm.hooks.parameter_keys import name_parameters
@@ -103,6 +104,8 @@ class DiLoCo:
         module, wrapped = unwrap_ddp(model)
         if process_group is None and wrapped:
             process_group = across_nodes_group()
+        self._replica_group = replica_group(model) if wrapped else None
+        self._buffer_source = self._replica_group if getattr(model, "forward_sync_buffers", False) else None
         self.module, self.inner_optimizer, self.group = module, inner_optimizer, process_group
         self.sync_every, self.overlap, self.mixing, self.check_replicas = (
             sync_every,
@@ -197,6 +200,10 @@ class DiLoCo:
         world = dist.get_world_size(self.group)
         buffers = None
         if index == 0 and self._buffers:
+            if self._buffer_source is not None:
+                where = "broadcasting the buffers inside the DDP's group before an outer sync"
+                with reporting_lost_peers(self.inner_steps, where, self._buffer_source):
+                    broadcast_coalesced([b for _, b in self._buffers], self._buffer_source)
             with comm.counting_into(stats.traffic):
                 buffers = average_buffers(self._buffers, self.group, self.inner_steps)
         self._pending[index] = self._exchanges[index].launch(self._runners[index], self.inner_steps, world)
@@ -208,6 +215,10 @@ class DiLoCo:
         fragment's parameters from them (mixed with the local ones where ``mixing`` > 0)."""
         pending = self._pending[index]
         averaged = self._exchanges[index].collect(self._runners[index], pending)
+        if self._replica_group is not None:
+            where = "broadcasting the averaged pseudo-gradients inside the DDP's group"
+            with reporting_lost_peers(self.inner_steps, where, self._replica_group):
+                broadcast_coalesced(averaged, self._replica_group)
         anchors, fragment = self.anchors[index], self.fragments[index]
         for anchor, grad in zip(anchors, averaged, strict=True):
             anchor.grad = grad.to(anchor.device)

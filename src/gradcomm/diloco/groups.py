@@ -17,7 +17,7 @@ from torch.distributed import ProcessGroup
 from gradcomm.comm.agreement import check_same_on_all_ranks
 from gradcomm.comm.faults import derived_group_timeout
 
-__all__ = ["across_nodes_group", "unwrap_ddp"]
+__all__ = ["across_nodes_group", "replica_group", "unwrap_ddp"]
 
 _ENV = "LOCAL_WORLD_SIZE"
 
@@ -35,6 +35,21 @@ def unwrap_ddp(model: nn.Module) -> tuple[nn.Module, bool]:
     if isinstance(model, ddp_types):
         return model.module, True
     return model, False
+
+
+def replica_group(model: nn.Module) -> ProcessGroup | None:
+    """The group of a DDP ``model`` (its ranks train one replica together), or ``None`` when the DDP spans a
+    single rank.
+
+    Its ranks hold the same parameters between syncs, but each exchanges its pseudo-gradients with its own
+    peers on the other nodes (the ranks of its local rank): a compressor that rounds at random (QSGD) or a
+    collective that sums in another order gives each a different average, so the replica's ranks must take
+    one of them, its first rank's. A DDP that broadcasts its buffers at every forward (gradcomm's and
+    torch's ``forward_sync_buffers``) also makes its first rank's buffers the replica's.
+    """
+    group = getattr(model, "process_group", None)
+    group = group if group is not None else dist.group.WORLD
+    return group if dist.get_world_size(group) > 1 else None
 
 
 def across_nodes_group() -> ProcessGroup:
