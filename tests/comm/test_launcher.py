@@ -71,18 +71,27 @@ def test_two_stage_exchange_returns_at_once_and_keeps_its_second_stage_in_order(
     launched: list[str] = []
     stage1: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
-    def all_to_all(rows: torch.Tensor, group: object = None) -> torch.futures.Future[torch.Tensor]:
+    def all_to_all(
+        rows: torch.Tensor, group: object = None, out: torch.Tensor | None = None
+    ) -> torch.futures.Future[torch.Tensor]:
         launched.append("all_to_all")
         sent.append(rows)
+        received.append(out)
         return stage1
 
-    def all_gather(flat: torch.Tensor, group: object = None) -> torch.futures.Future[torch.Tensor]:
+    def all_gather(
+        flat: torch.Tensor, group: object = None, out: torch.Tensor | None = None
+    ) -> torch.futures.Future[torch.Tensor]:
         launched.append("all_gather")
+        gathered = flat.repeat(world_size)  # rank 1's mean taken to be rank 0's: the first half counts
+        if out is not None:  # the wire's receive buffer, as the real collective fills it
+            gathered = out.copy_(gathered)
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        future.set_result(flat.repeat(world_size))  # rank 1's mean taken to be rank 0's: the first half counts
+        future.set_result(gathered)
         return future
 
     sent: list[torch.Tensor] = []
+    received: list[torch.Tensor | None] = []
     monkeypatch.setattr(comm, "group_size", lambda group=None: world_size)
     monkeypatch.setattr(comm, "group_rank", lambda group=None: 0)
     monkeypatch.setattr(comm, "all_to_all_single", all_to_all)
@@ -96,7 +105,8 @@ def test_two_stage_exchange_returns_at_once_and_keeps_its_second_stage_in_order(
                                   torch.device("cpu"))
     assert launched == ["all_to_all"] and not averaged.done() and not next_bucket.done()
 
-    stage1.set_result(sent[0][:1].repeat(world_size, 1))  # rank 0 of two identical ranks: its row, twice
+    rows = sent[0].view(world_size, -1)[:1].repeat(world_size, 1)  # rank 0 of two identical ranks: its row, twice
+    stage1.set_result(rows if received[0] is None else received[0].copy_(rows.view_as(received[0])))
     assert launched == ["all_to_all", "all_gather", "next bucket"]
     (result,) = averaged.wait()
     assert result.shape == gradient.shape
