@@ -56,6 +56,17 @@ __all__ = [
 Payload = list[torch.Tensor]
 
 _STREAM_KEY: contextvars.ContextVar[Hashable] = contextvars.ContextVar("gradcomm_compression_stream", default=None)
+
+
+@contextlib.contextmanager
+def tensor_stream(key: Hashable) -> Iterator[None]:
+    """Scope in which a compressor's per-tensor state (its random draws, DGC's buffers, SparseLoCo's
+    accumulator) is that of the tensor ``key``: a context variable, so each thread sees its own."""
+    token = _STREAM_KEY.set(key)
+    try:
+        yield
+    finally:
+        _STREAM_KEY.reset(token)
 """The key of the tensor being compressed on this thread: a second stage may compress on a backend thread
 while the hook's thread compresses the next bucket."""
 
@@ -315,13 +326,8 @@ class RandomizedCompressor(Compressor):
         self.seed = seed
         self._draws: dict[Hashable, int] = {}
 
-    @contextlib.contextmanager
-    def stream(self, key: Hashable) -> Iterator[None]:
-        token = _STREAM_KEY.set(key)
-        try:
-            yield
-        finally:
-            _STREAM_KEY.reset(token)
+    def stream(self, key: Hashable) -> contextlib.AbstractContextManager[None]:
+        return tensor_stream(key)
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """A generator on ``device`` for the next draw of the current key (``None`` on the meta device)."""

@@ -44,12 +44,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from typing import Any
 
 import torch
 
-from gradcomm.compression.base import _STREAM_KEY, ErrorFeedback, Payload
+from gradcomm.compression.base import ErrorFeedback, Payload, tensor_stream
 from gradcomm.compression.communicators import ALLGATHER
 from gradcomm.compression.memory import ResidualMemory
 from gradcomm.compression.methods.topk import SparseSegments
@@ -89,15 +89,10 @@ class DGC(SparseSegments, name="dgc", summary="Deep Gradient Compression: moment
         """Number of coordinates sent of a tensor of ``numel`` elements."""
         return min(numel, max(1, math.ceil(self.ratio * numel)))
 
-    @contextlib.contextmanager
-    def stream(self, key: Hashable) -> Iterator[None]:
+    def stream(self, key: Hashable) -> contextlib.AbstractContextManager[None]:
         """Scope in which :meth:`compress` reads and updates the buffers of the tensor ``key``: the context
         variable :class:`~gradcomm.compression.base.RandomizedCompressor` sets, so each thread sees its own."""
-        token = _STREAM_KEY.set(key)
-        try:
-            yield
-        finally:
-            _STREAM_KEY.reset(token)
+        return tensor_stream(key)
 
     def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, torch.Tensor]:
         u = self._momentum.held_segments(segments, flat)

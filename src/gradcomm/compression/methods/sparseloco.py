@@ -39,13 +39,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
 
 from gradcomm.compression._numerics import nonzero_or_one, work_dtype, zeros_in
-from gradcomm.compression.base import _STREAM_KEY, ErrorFeedback, Payload, SegmentedCompressor
+from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedCompressor, tensor_stream
 from gradcomm.compression.communicators import ALLGATHER
 from gradcomm.compression.memory import ResidualMemory
 from gradcomm.compression.segment_sparse import Budget, segment_topk
@@ -132,14 +132,9 @@ class SparseLoCo(
         """The values each tensor sends, as segments: its words' top bits are packed as for it alone."""
         return segments.relaid([self._kept(n) for n in segments.lengths])
 
-    @contextlib.contextmanager
-    def stream(self, key: Hashable) -> Iterator[None]:
+    def stream(self, key: Hashable) -> contextlib.AbstractContextManager[None]:
         """Scope in which :meth:`compress` reads and updates the accumulator of the tensor ``key`` (as DGC's)."""
-        token = _STREAM_KEY.set(key)
-        try:
-            yield
-        finally:
-            _STREAM_KEY.reset(token)
+        return tensor_stream(key)
 
     # -- the math ------------------------------------------------------------------------------------------
     def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
