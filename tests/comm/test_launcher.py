@@ -63,9 +63,9 @@ def test_two_stage_exchange_returns_at_once_and_keeps_its_second_stage_in_order(
     """A compressed two-stage allreduce (ByteGrad): the exchange returns with stage 1 in flight; its all-gather
     is launched from stage 1's completion, before a collective reserved after it (the next bucket's)."""
     from gradcomm import comm
-    from gradcomm.compression.communicators import TwoStageAllreduce
     from gradcomm.compression.memory import NoMemory
     from gradcomm.compression.methods.bytegrad import ByteGrad
+    from gradcomm.compression.two_stage import TwoStageAllreduce
 
     world_size = 2
     launched: list[str] = []

@@ -13,8 +13,9 @@ import torch
 from gradcomm.compression import DGC, QSGD, Memory, NoMemory, RandomK, ResidualMemory, TernGrad, TopK
 from gradcomm.compression._numerics import ordered_mean, sparse_nonzero
 from gradcomm.compression.base import RowwiseCompressor
-from gradcomm.compression.communicators import TwoStageAllreduce, _join_rows, compensated_compress
+from gradcomm.compression.communicators import compensated_compress
 from gradcomm.compression.registry import methods
+from gradcomm.compression.two_stage import TwoStageAllreduce, _join_rows
 
 COMPRESSORS = {
     **methods(),

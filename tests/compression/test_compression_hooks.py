@@ -21,8 +21,9 @@ import torch.nn.functional as F
 import gradcomm
 from gradcomm import comm
 from gradcomm.compression import QSGD, EFSignSGD, RandomizedCompressor, RowwiseCompressor, SignSGD, TopK
-from gradcomm.compression.communicators import Allgather, Allreduce, TwoStageAllreduce, compensated_compress
+from gradcomm.compression.communicators import Allgather, Allreduce, compensated_compress
 from gradcomm.compression.registry import methods
+from gradcomm.compression.two_stage import TwoStageAllreduce
 from gradcomm.hooks import compression_hook
 from gradcomm.hooks.compression_hook import CompressionState, compressed_allreduce_hook
 from gradcomm.testing import run_on_ranks

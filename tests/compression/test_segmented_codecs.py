@@ -26,7 +26,8 @@ from gradcomm.compression._numerics import (
     work_dtype,
 )
 from gradcomm.compression.registry import methods
-from gradcomm.compression.segments import Segments, packed_lengths
+from gradcomm.compression.segment_bits import packed_lengths
+from gradcomm.compression.segments import Segments
 from gradcomm.testing import run_on_ranks
 
 LENGTHS = (1000, 1024, 3001, 7, 4096, 1024)
@@ -250,7 +251,8 @@ def test_a_tensor_draws_alike_in_any_bucket():
 def test_a_tensors_scales_are_alike_in_any_layout():
     """Per-tensor means (EF-sign's, OneBit's, TernGrad's clipping) are the same bits whether the tensor is
     alone, in runs or in chunks of any length: a resumed run, whose buckets are laid out anew, stays exact."""
-    from gradcomm.compression.segments import segment_reduce, segment_std
+    from gradcomm.compression.segment_stats import segment_std
+    from gradcomm.compression.segments import segment_reduce
 
     tensors, _, _ = _bucket(9, CHUNKED)
     t = tensors[3]  # 2048 elements

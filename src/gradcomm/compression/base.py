@@ -390,7 +390,7 @@ def _row_segments(rows: int, length: int, dtype: torch.dtype, device: torch.devi
 
 class SegmentedRowwiseCompressor(RowwiseCompressor, SegmentedCompressor):
     """A row-wise method written in segmented form (one scale or range per segment): its rows are segments,
-    and :class:`~gradcomm.compression.communicators.TwoStageAllreduce` sends a whole bucket's chunks at once.
+    and :class:`~gradcomm.compression.two_stage.TwoStageAllreduce` sends a whole bucket's chunks at once.
     Every payload tensor of a bucket of segments is the segments' parts back to back, so a bucket of rows of
     one layout splits into equal rows."""
 

@@ -10,9 +10,9 @@ place in a layout where every segment is padded to a multiple, each packed byte'
 once per layout and kept on the :class:`Segments` object, which the hook keeps per bucket layout.
 
 Helpers here are what several methods share: per-segment reductions and their broadcast back to elements
-(:func:`segment_reduce`, :meth:`Segments.expand`), bit packing whose bytes are those of packing every tensor
-on its own (:func:`pack_segments`, :func:`decode_segments`), and random bits keyed by segment
-(:func:`segment_noise`).
+(:func:`segment_reduce`, :meth:`Segments.expand`); bit packing whose bytes are those of packing every tensor
+on its own is in :mod:`~gradcomm.compression.segment_bits` (its names are still found here), random bits keyed
+by segment in :mod:`~gradcomm.compression.segment_noise`.
 """
 
 from __future__ import annotations
@@ -25,29 +25,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gradcomm.compression._numerics import (
-    decode_bits,
-    gather_rows,
-    nonzero_or_one,
-    pack_bits,
-    sign_values,
-    unpack_bits,
-    work_dtype,
-)
-from gradcomm.compression._numerics.reductions import _plain_is_exact
-
 __all__ = [
     "Chunks",
     "Groups",
     "Segments",
     "as_dtype",
-    "decode_segments",
-    "pack_segments",
-    "packed_lengths",
-    "segment_mean_abs",
     "segment_reduce",
-    "segment_rms",
-    "segment_std",
 ]
 
 if TYPE_CHECKING:
@@ -490,144 +473,16 @@ def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
-def _expanded(per_segment: torch.Tensor, segments: Segments) -> torch.Tensor:
-    return segments.expand(per_segment.reshape(-1))
+_MOVED = {name: "segment_bits" for name in ("packed_lengths", "pack_segments", "scaled_signs_layout", "pack_scaled_signs", "unpack_scaled_signs", "decode_segments")}
+_MOVED.update({name: "segment_stats" for name in ("segment_mean_abs", "segment_rms", "segment_std")})
 
 
-def segment_mean_abs(x: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """Each segment's mean magnitude without overflow, as ``safe_mean_abs`` for one tensor: on the CPU the
-    plain means first (kept unless one overflowed or came near underflow), else means of magnitudes divided
-    by their segment's peak."""
-    magnitude = x.abs()
-    if x.device.type == "cpu":
-        mean = segment_reduce(magnitude, "mean", segments)
-        if _plain_is_exact(mean):
-            return mean
-    peak = segment_reduce(magnitude, "max", segments)
-    return peak * segment_reduce(magnitude.div_(_expanded(nonzero_or_one(peak), segments)), "mean", segments)
+def __getattr__(name: str) -> object:
+    """Bit packing by segment lives in :mod:`gradcomm.compression.segment_bits`, the statistics built on
+    :func:`segment_reduce` in :mod:`gradcomm.compression.segment_stats`; their names are found here too, as
+    before they moved (read lazily: those modules import this one)."""
+    if name in _MOVED:
+        import importlib
 
-
-def segment_rms(x: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """Each segment's root mean square without overflow or underflow, as ``safe_rms`` for one tensor."""
-    if x.device.type == "cpu":
-        mean_square = segment_reduce(torch.mul(x, x), "mean", segments)
-        if _plain_is_exact(mean_square):
-            return mean_square.sqrt_()
-    magnitude = x.abs()
-    peak = segment_reduce(magnitude, "max", segments)
-    scaled = magnitude.div_(_expanded(nonzero_or_one(peak), segments))
-    return peak * segment_reduce(scaled.mul_(scaled), "mean", segments).sqrt()
-
-
-def segment_std(x: torch.Tensor, segments: Segments, peak: torch.Tensor) -> torch.Tensor:
-    """Each segment's population standard deviation without overflow, as ``safe_std`` (``peak``: each
-    segment's largest magnitude)."""
-    groups = segments.groups
-    scaled = groups.rowwise_into(
-        lambda target, rows, p: torch.div(rows, p, out=target), [x], [nonzero_or_one(peak)], torch.empty_like(x)
-    )
-    mean = segment_reduce(scaled, "mean", segments)
-    centred = groups.rowwise_into(
-        lambda target, rows, m: torch.sub(rows, m, out=target).square_(), [scaled], [mean], scaled
-    )
-    return peak * segment_reduce(centred, "mean", segments).sqrt()
-
-
-# -- bit packing by segment: the bytes of packing every tensor on its own, back to back -----------------------
-def packed_lengths(lengths: Sequence[int], bits: int) -> tuple[int, ...]:
-    """Bytes of each segment's codes packed at ``bits`` bits (:func:`~gradcomm.compression._numerics.pack_bits`)."""
-    return tuple(-(-n * bits // 8) for n in lengths)
-
-
-def pack_segments(codes: torch.Tensor, segments: Segments, bits: int) -> torch.Tensor:
-    """Codes (``< 2**bits``, ``bits`` dividing 8) of every segment packed as ``pack_bits`` packs one tensor,
-    the segments' bytes back to back: one packing of the whole bucket, each segment padded to whole bytes."""
-    if bits == 8:
-        return codes
-    padded = segments.padded(8)
-    packed = pack_bits(padded.pad(codes), bits)
-    if padded.aligned:
-        return packed
-    return packed.index_select(0, _kept_bytes(segments, bits))
-
-
-def scaled_signs_layout(lengths: Sequence[int], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
-    """The payload of :func:`pack_scaled_signs`: every segment's sign bits, then one scale per segment."""
-    return [(sum(packed_lengths(lengths, 1)), torch.uint8), (len(lengths), work_dtype(dtype))]
-
-
-def pack_scaled_signs(flat: torch.Tensor, segments: Segments, scales: torch.Tensor) -> list[torch.Tensor]:
-    """Each segment's signs (zeros as ``+``) packed one bit each, and its scale: ``sign(x) * scale``."""
-    not_negative = torch.ge(flat, 0, out=torch.empty(flat.shape, dtype=torch.int8, device=flat.device))
-    return [pack_segments(not_negative.view(torch.uint8), segments, 1), scales]
-
-
-def unpack_scaled_signs(payload: Sequence[torch.Tensor], segments: Segments) -> torch.Tensor:
-    """Inverse of :func:`pack_scaled_signs`: ``±scale`` of its segment for every coordinate."""
-    bits, scales = payload
-    tables = as_dtype(sign_values(scales.dtype, scales.device) * scales.unsqueeze(1), segments.dtype)
-    return decode_segments(bits, segments, 1, tables)
-
-
-def decode_segments(packed: torch.Tensor, segments: Segments, bits: int, tables: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_segments`, each code replaced by its value: ``tables[segment, code]`` with one
-    row of ``2**bits`` values per segment (or one row for all). A lookup per byte, as ``decode_bits``."""
-    per_segment = tables.dim() == 2 and tables.shape[0] > 1
-    if bits == 8:  # a byte is a code, and segments are not padded
-        if per_segment:
-            return _decode_by_segment(packed, 8, tables, _byte_offsets(segments, 8))
-        return decode_bits(packed, 8, segments.numel, tables.reshape(-1))
-    padded = segments.padded(8)
-    if not padded.aligned:  # each segment's bytes at a multiple of 8 codes
-        bytes_ = packed.new_zeros(padded.numel * bits // 8).index_copy_(0, _kept_bytes(segments, bits), packed)
-    else:
-        bytes_ = packed
-    if 8 % bits:  # codes straddling bytes: unpacked, then looked up (one table)
-        codes = unpack_bits(bytes_, bits, padded.numel).to(torch.int64)
-        decoded = tables.reshape(-1).index_select(0, codes)
-    elif not per_segment:
-        decoded = decode_bits(bytes_, bits, padded.numel, tables.reshape(-1))
-    else:
-        decoded = _decode_by_segment(bytes_, bits, tables, _byte_offsets(segments, bits))
-    return padded.unpad(decoded)
-
-
-def _decode_by_segment(packed: torch.Tensor, bits: int, tables: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``decode_bits`` with one table per segment: a byte ``b`` of segment ``s`` reads row ``256 s + b``
-    (``offsets``: ``256 s`` in int32, one per byte, or a column of one per chunk of bytes)."""
-    codes_per_byte = 8 // bits
-    patterns = _byte_patterns(bits, packed.device)
-    table = tables[:, patterns].reshape(-1, codes_per_byte) if bits < 8 else tables.reshape(-1, 1)
-    if offsets.dim() == 2:
-        rows = packed.view(offsets.shape[0], -1).to(torch.int32).add_(offsets).view(-1)
-    else:
-        rows = packed.to(torch.int32).add_(offsets)
-    return gather_rows(table, rows).reshape(-1)
-
-
-@functools.lru_cache(maxsize=16)
-def _byte_patterns(bits: int, device: torch.device) -> torch.Tensor:
-    byte = torch.arange(256, device=device).unsqueeze(1)
-    return (byte >> torch.arange(0, 8, bits, device=device)) & ((1 << bits) - 1)
-
-
-def _byte_offsets(segments: Segments, bits: int) -> torch.Tensor:
-    """``256 *`` each packed byte's segment (in the layout padded to 8 codes), in int32: a column of one per
-    chunk where the segments cut into :class:`Chunks` (their bytes, too, are chunks of one length), else one
-    per byte (cached)."""
-    if segments.chunks is not None:
-        return segments.chunks.byte_offsets
-    cache = segments.__dict__.setdefault("_byte_offsets", {})
-    if bits not in cache:
-        lengths = segments.lengths if bits == 8 else [n * bits // 8 for n in segments.padded(8).lengths]
-        cache[bits] = _ids(lengths, segments.device).to(torch.int32).mul_(256)
-    return cache[bits]
-
-
-def _kept_bytes(segments: Segments, bits: int) -> torch.Tensor:
-    """Of the bytes of the layout padded to 8 codes, those :func:`pack_segments` keeps (cached)."""
-    cache = segments.__dict__.setdefault("_kept_bytes", {})
-    if bits not in cache:
-        kept = packed_lengths(segments.lengths, bits)
-        cache[bits] = _placement(kept, [n * bits // 8 for n in segments.padded(8).lengths], segments.device)
-    return cache[bits]
+        return getattr(importlib.import_module(f"gradcomm.compression.{_MOVED[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

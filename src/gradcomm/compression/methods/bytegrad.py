@@ -4,7 +4,7 @@ Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VL
 ``MinMaxUInt8`` compressor). Each tensor is split into one chunk per rank; each chunk is quantized to 8 bits
 between its own minimum and maximum. Rank ``j`` receives everyone's chunk ``j``, dequantizes and averages
 them in full precision (so no sum is ever held in 8 bits: nothing overflows), quantizes the mean again and
-all-gathers it (:class:`~gradcomm.compression.communicators.TwoStageAllreduce`).
+all-gathers it (:class:`~gradcomm.compression.two_stage.TwoStageAllreduce`).
 
 Trade-offs: about 4x less traffic than float32 (plus two scalars per chunk), and, unlike all-gather methods,
 traffic per rank that does not grow with the world size. Round-to-nearest is deterministic and biased, with
@@ -22,8 +22,9 @@ import torch
 
 from gradcomm.compression._numerics import as_uint8, decode_bits, nonzero_or_one, work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedRowwiseCompressor
-from gradcomm.compression.communicators import TwoStageAllreduce
-from gradcomm.compression.segments import Segments, as_dtype, decode_segments, segment_reduce
+from gradcomm.compression.segment_bits import decode_segments
+from gradcomm.compression.segments import Segments, as_dtype, segment_reduce
+from gradcomm.compression.two_stage import TwoStageAllreduce
 
 __all__ = ["ByteGrad"]
 

@@ -18,14 +18,9 @@ import torch
 from gradcomm.compression._numerics import work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedCompressor
 from gradcomm.compression.communicators import ALLGATHER
-from gradcomm.compression.segments import (
-    Segments,
-    as_dtype,
-    pack_scaled_signs,
-    scaled_signs_layout,
-    segment_mean_abs,
-    unpack_scaled_signs,
-)
+from gradcomm.compression.segment_bits import pack_scaled_signs, scaled_signs_layout, unpack_scaled_signs
+from gradcomm.compression.segment_stats import segment_mean_abs
+from gradcomm.compression.segments import Segments, as_dtype
 
 __all__ = ["EFSignSGD"]
 

@@ -6,7 +6,7 @@ adds its worker residual, splits the tensor into one chunk per rank and sends ea
 scale ``||chunk||_2 / sqrt(len(chunk))``. Rank ``j`` averages everyone's chunk ``j``, adds its server
 residual, compresses the mean to signs and a scale again, keeps the new server residual and all-gathers the
 result
-(:class:`~gradcomm.compression.communicators.TwoStageAllreduce` with ``server_error_feedback``).
+(:class:`~gradcomm.compression.two_stage.TwoStageAllreduce` with ``server_error_feedback``).
 
 Trade-offs: about 32x less traffic than float32 and traffic per rank that does not grow with the world size;
 costs one gradient-sized worker residual plus a chunk-sized (``1/world_size``) server residual. Both error
@@ -24,15 +24,10 @@ import torch
 
 from gradcomm.compression._numerics import work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedRowwiseCompressor
-from gradcomm.compression.communicators import TwoStageAllreduce
-from gradcomm.compression.segments import (
-    Segments,
-    as_dtype,
-    pack_scaled_signs,
-    scaled_signs_layout,
-    segment_rms,
-    unpack_scaled_signs,
-)
+from gradcomm.compression.segment_bits import pack_scaled_signs, scaled_signs_layout, unpack_scaled_signs
+from gradcomm.compression.segment_stats import segment_rms
+from gradcomm.compression.segments import Segments, as_dtype
+from gradcomm.compression.two_stage import TwoStageAllreduce
 
 __all__ = ["OneBit"]
 

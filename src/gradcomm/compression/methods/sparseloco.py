@@ -48,16 +48,10 @@ from gradcomm.compression._numerics import nonzero_or_one, work_dtype, zeros_in
 from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedCompressor, tensor_stream
 from gradcomm.compression.communicators import ALLGATHER
 from gradcomm.compression.memory import ResidualMemory
+from gradcomm.compression.segment_bits import decode_segments, pack_segments, packed_lengths
 from gradcomm.compression.segment_sparse import Budget, segment_topk
-from gradcomm.compression.segments import (
-    Segments,
-    as_dtype,
-    decode_segments,
-    pack_segments,
-    packed_lengths,
-    segment_mean_abs,
-    segment_reduce,
-)
+from gradcomm.compression.segment_stats import segment_mean_abs
+from gradcomm.compression.segments import Segments, as_dtype, segment_reduce
 
 __all__ = ["SparseLoCo"]
 

@@ -26,16 +26,10 @@ import torch
 from gradcomm.compression._numerics import NOISE_SCALE, as_uint8, nonzero_or_one, work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompressor, SegmentedCompressor
 from gradcomm.compression.communicators import ALLGATHER
+from gradcomm.compression.segment_bits import decode_segments, pack_segments, packed_lengths
 from gradcomm.compression.segment_noise import segment_noise
-from gradcomm.compression.segments import (
-    Segments,
-    as_dtype,
-    decode_segments,
-    pack_segments,
-    packed_lengths,
-    segment_reduce,
-    segment_std,
-)
+from gradcomm.compression.segment_stats import segment_std
+from gradcomm.compression.segments import Segments, as_dtype, segment_reduce
 
 __all__ = ["TernGrad"]
 
