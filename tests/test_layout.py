@@ -119,3 +119,9 @@ def test_layer_imports_only_the_layers_below(package: str) -> None:
         if ".".join(name.split(".")[:2]) not in allowed
     }
     assert not wrong, sorted(wrong)
+
+
+def test_no_module_is_longer_than_500_lines():
+    """A module past 500 lines holds more than one subject: split it (a moved name keeps its old import path)."""
+    long = {str(path.relative_to(_SRC)): n for path in _SRC.rglob("*.py") if (n := len(path.read_text().splitlines())) > 500}
+    assert not long, f"modules over 500 lines: {long}"
