@@ -19,8 +19,8 @@ Each rank:
   the traceback of its failure there;
 * reports ``(rank, ok, payload, time)`` on a queue, its result pickled with plain pickle (the queue's own
   pickler would send tensors as shared-memory handles that die with the rank);
-* rank 0, which hosts the rendezvous store, stays until every rank has finished ``fn`` (a few seconds at
-  most), so that a peer still using the store does not lose it;
+* rank 0, which hosts the rendezvous store, stays after ``fn`` returned until every rank has finished ``fn``
+  (a few seconds at most), so that a peer still using the store does not lose it;
 * leaves with :func:`os._exit` once the report is flushed, running no C++ destructor: those of a gloo process
   group whose peer is gone can throw (``gloo::IoException``, then ``std::terminate`` and SIGABRT) and turn a
   clean report into an abort.
@@ -321,14 +321,15 @@ def _rank_main(fn: Callable[..., Any], args: Sequence[Any], spec: _Rank, results
         failure = f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}"
         results.put((spec.rank, False, failure, time.time()))
     finally:
-        _finish_together(spec)
+        _finish_together(spec, wait=status == 0)
         _leave(results, status)
 
 
-def _finish_together(spec: _Rank) -> None:
-    """Keep the rank that hosts the rendezvous store (rank 0) until every rank has finished ``fn``, for at most
-    ``_EXIT_SECONDS``: a peer still using the store (joining the group, creating a subgroup, in a store
-    barrier) would otherwise lose it when rank 0 returns first. A failed or dead peer only costs the wait."""
+def _finish_together(spec: _Rank, wait: bool) -> None:
+    """Count this rank as finished in the store; with ``wait`` (``fn`` returned), keep the rank that hosts the
+    rendezvous store (rank 0) until every rank has finished ``fn``, for at most ``_EXIT_SECONDS``: a peer still
+    using the store (joining the group, creating a subgroup, in a store barrier) would otherwise lose it when
+    rank 0 returns first. A rank whose ``fn`` raised leaves at once (its failure is what the run reports)."""
     try:
         import torch.distributed as dist
 
@@ -336,7 +337,7 @@ def _finish_together(spec: _Rank) -> None:
             return
         store = dist.distributed_c10d._get_default_store()
         store.add(_FINISHED_KEY, 1)
-        if spec.rank != 0:
+        if spec.rank != 0 or not wait:
             return
         deadline = time.monotonic() + _EXIT_SECONDS
         while store.add(_FINISHED_KEY, 0) < spec.world_size and time.monotonic() < deadline:
