@@ -125,3 +125,17 @@ def test_no_module_is_longer_than_500_lines():
     """A module past 500 lines holds more than one subject: split it (a moved name keeps its old import path)."""
     long = {str(path.relative_to(_SRC)): n for path in _SRC.rglob("*.py") if (n := len(path.read_text().splitlines())) > 500}
     assert not long, f"modules over 500 lines: {long}"
+
+
+@pytest.mark.parametrize(
+    ("old", "name", "new"),
+    [
+        ("gradcomm.compression.segments", "pack_segments", "gradcomm.compression.segment_bits"),
+        ("gradcomm.compression.segments", "segment_std", "gradcomm.compression.segment_stats"),
+        ("gradcomm.compression.communicators", "TwoStageAllreduce", "gradcomm.compression.two_stage"),
+    ],
+)
+def test_moved_name_old_path_warns_and_is_the_new_object(old: str, name: str, new: str) -> None:
+    with pytest.warns(DeprecationWarning, match=f"{old}.{name} has moved: import from {new} instead"):
+        moved = getattr(importlib.import_module(old), name)
+    assert moved is getattr(importlib.import_module(new), name)

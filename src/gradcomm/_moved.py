@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 import warnings
+from collections.abc import Callable, Mapping
 
 
 def warn_moved(old: str, new: str, stacklevel: int = 3) -> None:
@@ -29,3 +30,16 @@ def alias_moved_module(old: str, new: str, advised: str | None = None) -> None:
     (a package re-exporting ``new``'s public names), or ``new``."""
     warn_moved(old, advised or new, stacklevel=4)
     sys.modules[old] = importlib.import_module(new)
+
+
+def moved_names(old: str, new_modules: Mapping[str, str]) -> Callable[[str], object]:
+    """A module ``__getattr__`` for the names that moved out of module ``old`` to ``new_modules[name]``: each is
+    read from its new module, with a warning naming it. Lazily, since the new modules import the old one."""
+
+    def __getattr__(name: str) -> object:
+        if name not in new_modules:
+            raise AttributeError(f"module {old!r} has no attribute {name!r}")
+        warn_moved(f"{old}.{name}", new_modules[name])
+        return getattr(importlib.import_module(new_modules[name]), name)
+
+    return __getattr__

@@ -7,8 +7,8 @@ A compressor names one communicator in its ``communicator`` attribute:
 * :data:`ALLGATHER` (:class:`Allgather`): payloads that cannot be summed (top-k values and indices, signs with
   per-rank scales): one all-gather of their bytes, then every rank decompresses all ranks' payloads and
   ``aggregate`` s them in rank order.
-* :class:`~gradcomm.compression.two_stage.TwoStageAllreduce` (in its own module; its name is still found
-  here): compressed reduce-scatter then compressed all-gather, for
+* :class:`~gradcomm.compression.two_stage.TwoStageAllreduce` (in its own module; its old name here
+  warns): compressed reduce-scatter then compressed all-gather, for
   :class:`~gradcomm.compression.base.RowwiseCompressor` s (8-bit ByteGrad, 1-bit compressed allreduce).
 
 A communicator serves all the tensors of one bucket that use it with one collective (per stage), whatever
@@ -29,6 +29,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from gradcomm import comm
+from gradcomm._moved import moved_names
 from gradcomm.comm.futures import when_all
 from gradcomm.comm.launcher import Launch, OrderedLauncher
 from gradcomm.compression.base import Compressor, Payload, SegmentedCompressor
@@ -355,11 +356,4 @@ ALLREDUCE = Allreduce()
 ALLGATHER = Allgather()
 
 
-def __getattr__(name: str) -> object:
-    """:class:`TwoStageAllreduce` lives in :mod:`gradcomm.compression.two_stage`; its name is found here too, as
-    before it moved (read lazily: that module imports this one)."""
-    if name == "TwoStageAllreduce":
-        from gradcomm.compression.two_stage import TwoStageAllreduce
-
-        return TwoStageAllreduce
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved_names(__name__, {"TwoStageAllreduce": "gradcomm.compression.two_stage"})

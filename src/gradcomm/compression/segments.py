@@ -11,7 +11,7 @@ once per layout and kept on the :class:`Segments` object, which the hook keeps p
 
 Helpers here are what several methods share: per-segment reductions and their broadcast back to elements
 (:func:`segment_reduce`, :meth:`Segments.expand`); bit packing whose bytes are those of packing every tensor
-on its own is in :mod:`~gradcomm.compression.segment_bits` (its names are still found here), random bits keyed
+on its own is in :mod:`~gradcomm.compression.segment_bits` (its names still resolve here, with a warning), random bits keyed
 by segment in :mod:`~gradcomm.compression.segment_noise`.
 """
 
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from gradcomm._moved import moved_names
 
 __all__ = [
     "Chunks",
@@ -473,16 +475,14 @@ def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
-_MOVED = {name: "segment_bits" for name in ("packed_lengths", "pack_segments", "scaled_signs_layout", "pack_scaled_signs", "unpack_scaled_signs", "decode_segments")}
-_MOVED.update({name: "segment_stats" for name in ("segment_mean_abs", "segment_rms", "segment_std")})
-
-
-def __getattr__(name: str) -> object:
-    """Bit packing by segment lives in :mod:`gradcomm.compression.segment_bits`, the statistics built on
-    :func:`segment_reduce` in :mod:`gradcomm.compression.segment_stats`; their names are found here too, as
-    before they moved (read lazily: those modules import this one)."""
-    if name in _MOVED:
-        import importlib
-
-        return getattr(importlib.import_module(f"gradcomm.compression.{_MOVED[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved_names(
+    __name__,
+    {
+        **dict.fromkeys(
+            ("packed_lengths", "pack_segments", "scaled_signs_layout", "pack_scaled_signs", "unpack_scaled_signs",
+             "decode_segments"),
+            "gradcomm.compression.segment_bits",
+        ),
+        **dict.fromkeys(("segment_mean_abs", "segment_rms", "segment_std"), "gradcomm.compression.segment_stats"),
+    },
+)
