@@ -17,12 +17,14 @@
 # Each step's output is in OUTPUT_DIR/<step>.log; a failing step does not stop the later ones, and the
 # script's exit status is the number of failed steps. Steps: tests_cuda_gloo tests_cuda_nccl bench_cuda_nccl
 # bench_cpu_gloo bench_hook_only_cuda bench_cli_torchrun_cuda profile_hook_only_cuda count_calls_cuda
-# ddp_step_cuda.
+# ddp_step_cuda gloo_cuda_stress.
+# 5. gloo's CUDA path under load: benchmarks/gloo_cuda_stress.py, 3 ranks on the one GPU, small buckets, results
+#    compared between ranks (the replicas that once disagreed there), eager and synchronized.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_checks.sh OUTPUT_DIR [STEP ...]}
 shift
-wanted=" ${*:-count_calls_cuda ddp_step_cuda tests_cuda_gloo tests_cuda_nccl bench_cuda_nccl bench_cpu_gloo bench_hook_only_cuda bench_cli_torchrun_cuda profile_hook_only_cuda} "
+wanted=" ${*:-count_calls_cuda ddp_step_cuda tests_cuda_gloo tests_cuda_nccl bench_cuda_nccl bench_cpu_gloo bench_hook_only_cuda bench_cli_torchrun_cuda gloo_cuda_stress profile_hook_only_cuda} "
 python=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
@@ -111,6 +113,7 @@ cli=(
     --hooks allreduce fp16_compress powersgd signsgd topk --output "$out/bench_cli"
 )
 step bench_cli_torchrun_cuda 200 "${cli[@]}"
+step gloo_cuda_stress 150 "$python" benchmarks/gloo_cuda_stress.py --world-size 3 --iterations 300 --timeout 140
 step profile_hook_only_cuda 120 "$python" benchmarks/bench_compression.py --workloads transformer --device cuda \
     --backend nccl --hook-only --reps 1 --hooks allreduce --profile 15 --profile-hooks onebit bytegrad efsign topk
 exit "$failed"
