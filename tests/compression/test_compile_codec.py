@@ -51,6 +51,14 @@ def test_compile_is_off_by_default_and_checked():
         check_options("qsgd", compile="maybe")
 
 
+def test_a_state_pickled_before_the_option_unpickles_eager():
+    saved = CompressionState(SignSGD()).__getstate__()
+    del saved["compile"]
+    state = CompressionState.__new__(CompressionState)
+    state.__setstate__(saved)
+    assert state.compile is False and state._codec is state.compressor
+
+
 def test_compile_is_an_option_of_every_compression_hook():
     for name in methods():
         _, state = make_comm_hook(name, compile="true")
@@ -119,6 +127,7 @@ def _lockstep(names: list[str], backend: str) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)
 def test_every_method_compiled_gives_the_eager_hooks_bits():
     """Two ranks, every registered method: the compiled passes (aot_eager) give the eager hook's bits at
     every step, error feedback and random streams included; a layout is compiled (two for the two-stage
@@ -166,6 +175,7 @@ def _resumed(backend: str) -> dict[str, bool]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)
 def test_a_compiled_hooks_state_loads_into_an_eager_one_and_back():
     [outcome] = run_on_ranks(_resumed, 1, args=("aot_eager",), timeout=600, collective_timeout=300)
     assert outcome == {"topk": True, "qsgd": True, "onebit": True}
@@ -195,6 +205,7 @@ def _inductor_payloads(names: list[str]) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(960)
 def test_inductor_on_the_cpu_gives_the_eager_payload_bits():
     [found] = run_on_ranks(
         _inductor_payloads, 1, args=(["signsgd", "bytegrad"],), timeout=900, collective_timeout=600

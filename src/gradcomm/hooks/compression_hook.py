@@ -68,8 +68,9 @@ class CompressionState(HookState):
         compile: run the method's encoding and decoding through :func:`torch.compile`, per bucket layout (the
             collectives stay outside); meant for CUDA, where the eager codec is bound by launching its
             kernels. Off by default; each layout compiles at its second step (see
-            :mod:`gradcomm.compression.fusion`). Results are the eager codec's up to the rounding of fused
-            reductions; the state and its checkpoints are the same either way.
+            :mod:`gradcomm.compression.fusion`). Results are the eager codec's, but for the last bit of a
+            fused reduction (which can move a value across a rounding boundary); the state and its
+            checkpoints are the same either way.
     """
 
     def __init__(
@@ -115,7 +116,7 @@ class CompressionState(HookState):
         self._compressible: dict[tuple[torch.Size, torch.dtype], bool] = {}
         self._plans: dict[tuple[Any, ...], _Plan] = {}
         self._used: set[_Plan] = set()
-        self._codec = fused_codec(self.compressor, getattr(self, "compile", False))
+        self._codec = fused_codec(self.compressor, self.compile)
         residuals = self.memory.state_dict()
         self._check = (
             SavedKeyCheck("CompressionState", {key: tuple(r.shape) for key, r in residuals.items()})
@@ -198,7 +199,7 @@ class CompressionState(HookState):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
+        super().__setstate__({"compile": False, **state})  # a pickle from before the option: eager
         self._launcher = OrderedLauncher()
         self._reset_caches(loaded=True)
 
