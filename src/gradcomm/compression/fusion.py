@@ -56,7 +56,8 @@ def _own_code(method: Callable[..., Any], name: str) -> Callable[..., Any]:
     def call(*args: Any) -> Any:
         return method(*args)
 
-    code = call.__code__.replace(co_name=name, co_qualname=name)
+    names = {"co_name": name, **({"co_qualname": name} if hasattr(call.__code__, "co_qualname") else {})}
+    code = call.__code__.replace(**names)  # co_qualname: Python 3.11 on
     return types.FunctionType(code, call.__globals__, name, None, call.__closure__)
 
 
