@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import callgrind  # noqa: E402
-from bench_compression import _one_bucket  # noqa: E402
+from bench_compression import _one_bucket, _spread  # noqa: E402
 
 from gradcomm.compression.base import Compressor  # noqa: E402
 from gradcomm.compression.registry import methods  # noqa: E402
@@ -201,11 +201,6 @@ def hook_seconds_against(root: str, workloads: list[str], names: list[str], reps
                     hook(state, its_bucket).wait()
                     out[workload][name][slot].append(time.process_time() - start)
     return out
-
-
-def _spread(values: list[float]) -> str:
-    quartiles = statistics.quantiles(values, n=4)
-    return f"{1e3 * statistics.median(values):.2f} ({1e3 * quartiles[0]:.2f}-{1e3 * quartiles[2]:.2f})"
 
 
 def main(argv: list[str] | None = None) -> None:

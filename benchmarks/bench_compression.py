@@ -19,6 +19,14 @@ that completed before the callback was attached runs on the calling thread, else
 process`` (``time.process_time``, every thread of the rank's process: the calling thread, gloo's, which are
 otherwise idle) counts that too.
 
+``--fuse`` times each compression method's hook alone both eager and with ``compile=True`` (its encoding and
+decoding through ``torch.compile``: :mod:`gradcomm.compression.fusion`), one state of each kept for all
+repetitions and called in lockstep, alternating; the table gives medians (quartiles) of wall-clock ms, their
+ratio, the seconds of the first five compiled calls (where compiling happens), dynamo's graphs and graph
+breaks, aten operators, and (on CUDA) kernel launches and the GPU's work items (kernels, copies) of one call,
+each eager / compiled, and whether the results were equal
+(else how many elements differed, and by how much).
+
 On a machine with a GPU, ``--device cuda`` puts the workload, its gradients and the hooks on the GPU (each
 timing ends with ``torch.cuda.synchronize()``), and ``--backend nccl`` makes the one-rank group an NCCL one
 (``--profile`` without ``--hook-only`` still profiles on the CPU).
@@ -26,6 +34,7 @@ timing ends with ``torch.cuda.synchronize()``), and ``--backend nccl`` makes the
     python benchmarks/bench_compression.py [--workloads cnn transformer] [--hooks allreduce topk ...]
         [--reps 5] [--steps 8] [--warmup 5] [--threads 1] [--hook-only [--clock process]]
         [--profile 12 --profile-hooks onebit terngrad] [--device cuda --backend nccl]
+    python benchmarks/bench_compression.py --fuse --workloads transformer --hooks signsgd qsgd onebit topk
 
 Hooks default to allreduce and every registered method (:func:`gradcomm.compression.registry.methods`), each
 with its defaults; ``name:key=value`` sets options as in ``gradcomm bench --hooks``.
@@ -36,6 +45,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -162,6 +172,101 @@ def _hook_seconds(
     return seconds
 
 
+def _kernel_launches(call: Callable[[], object], device: str) -> tuple[int, int] | None:
+    """While ``call()`` runs: the host's kernel launch calls (runtime and driver API: aten's and Triton's),
+    and the work items the GPU ran (kernels, copies, fills); ``None`` off CUDA."""
+    if not device.startswith("cuda"):
+        return None
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        call()
+        _synchronize(device)
+    events = profiler.events()
+    launches = sum(1 for event in events if "LaunchKernel" in event.name)
+    kernels = sum(1 for event in events if event.device_type == torch.autograd.DeviceType.CUDA)
+    return launches, kernels
+
+
+def _fused_hook_seconds(workload_name: str, hooks: list[str], reps: int, threads: int, device: str = "cpu") -> list[str]:
+    """Per hook, one call of its eager form and of ``compile=True`` (:mod:`gradcomm.compression.fusion`) on
+    the workload's gradients as one bucket, in seconds (wall clock, synchronized), ``reps`` times each,
+    alternating; with what compiling cost (the first five calls: eager, compiling, recompiling what varies),
+    dynamo's graphs and graph breaks, aten operators and kernel launches of one call, and whether the two
+    forms' results were equal (else the largest fraction of elements that differed in a call, and the
+    largest difference relative to the call's largest magnitude). The two states are called in lockstep,
+    so their error feedback and random streams match. Each hook's row is printed when it is measured (a run
+    cut short keeps the rows done); returns the graph breaks' reasons."""
+    from torch._dynamo.utils import counters
+
+    from gradcomm.testing.op_count import count_aten_calls
+
+    torch.set_num_threads(threads)
+    bucket = _one_bucket(workload_name, device)
+    gradients = bucket.buffer().clone()
+    print(
+        f"### {workload_name}: hook ms, eager against compile=True ({device})\n\n"
+        "| hook | eager ms | compiled ms | ratio | first 5 calls s | graphs | breaks | aten ops | launches | GPU items | result |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        flush=True,
+    )
+    reasons = []
+    for hook in hooks:
+        choice = HookChoice.parse(hook)
+        options = dict(choice.options)
+        forms = [
+            make_comm_hook(choice.name, process_group=dist.group.WORLD, **{**options, "compile": compiled})
+            for compiled in (False, True)
+        ]
+
+        def call(form: int, forms: list = forms) -> tuple[float, torch.Tensor]:
+            fn, state = forms[form]
+            _refill(bucket, gradients)
+            _synchronize(device)
+            start = time.perf_counter()
+            fn(state, bucket).wait()
+            _synchronize(device)
+            return time.perf_counter() - start, bucket.buffer().clone()
+
+        for _ in range(5):
+            call(0)
+        counters.clear()
+        warm = sum(call(1)[0] for _ in range(5))
+        graphs, breaks = counters["stats"]["unique_graphs"], counters["graph_break"]
+        reasons.extend(f"- {hook}: {reason}" for reason in sorted({r.strip().splitlines()[0] for r in breaks}))
+        ops = [count_aten_calls(lambda form=form: call(form)) for form in (0, 1)]
+        launches = [_kernel_launches(lambda form=form: call(form), device) for form in (0, 1)]
+        seconds: tuple[list[float], list[float]] = ([], [])
+        differing, deviation = 0.0, 0.0
+        for rep in range(reps):
+            outputs = {}
+            for form in (0, 1) if rep % 2 == 0 else (1, 0):
+                seconds[form].append((result := call(form))[0])
+                outputs[form] = result[1]
+            differing = max(differing, (outputs[0] != outputs[1]).double().mean().item())
+            scale = outputs[0].abs().max().clamp_min(torch.finfo(outputs[0].dtype).tiny)
+            deviation = max(deviation, ((outputs[1] - outputs[0]).abs().max() / scale).item())
+        ratio = statistics.median(seconds[1]) / statistics.median(seconds[0])
+        launched = (
+            "- | -" if launches[0] is None or launches[1] is None
+            else f"{launches[0][0]} / {launches[1][0]} | {launches[0][1]} / {launches[1][1]}"
+        )
+        print(
+            f"| {hook} | {_spread(seconds[0])} | {_spread(seconds[1])} | {ratio:.2f} | {warm:.1f} | {graphs} | "
+            f"{sum(breaks.values())} | {ops[0]} / {ops[1]} | {launched} | "
+            f"{'bits equal' if differing == 0 else f'{differing:.1e} of elements differ, at most {deviation:.1e} (relative)'} |",
+            flush=True,
+        )
+    return reasons
+
+
+def _spread(values: list[float]) -> str:
+    """Median (quartiles) in ms."""
+    if len(values) < 2:
+        return f"{1e3 * values[0]:.2f}"
+    quartiles = statistics.quantiles(values, n=4)
+    return f"{1e3 * statistics.median(values):.2f} ({1e3 * quartiles[0]:.2f}-{1e3 * quartiles[2]:.2f})"
+
+
 def _hook_profile(workload_name: str, hook: str, calls: int, threads: int, rows: int, device: str = "cpu") -> str:
     """``torch.profiler``'s top ``rows`` operators by self CPU time over ``calls`` calls of ``hook`` on the
     workload's gradients as one bucket (after two untimed calls); on a GPU with its kernels too (the rows
@@ -241,12 +346,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--backend", default="gloo", choices=["gloo", "nccl"], help="the one-rank process group's backend"
     )
+    parser.add_argument(
+        "--fuse",
+        action="store_true",
+        help="time each hook alone, eager against compile=True, alternating (compression methods only)",
+    )
     parser.add_argument("--profile", type=int, default=0, help="print this many profiler rows per hook")
     parser.add_argument("--profile-hooks", nargs="+", default=[], help="hooks to profile (default: all)")
     args = parser.parse_args(argv)
     print("$ python benchmarks/bench_compression.py " + shlex.join(sys.argv[1:] if argv is None else argv))
     timeout = 3600.0
     for workload in args.workloads:
+        if args.fuse:
+            [reasons] = run_on_ranks(
+                _fused_hook_seconds,
+                world_size=1,
+                args=(workload, args.hooks, args.reps, args.threads, args.device),
+                backend=args.backend,
+                timeout=timeout,
+            )
+            print("\nGraph breaks:\n" + "\n".join(reasons) + "\n", flush=True)
+            continue
         if args.hook_only:
             [seconds] = run_on_ranks(
                 _hook_seconds,

@@ -14,17 +14,22 @@
 #    transformer, the CNN, buckets of 28 and 800 tensors; target at most 80 beyond allreduce's, the same at 28
 #    and 800), and gradcomm's DDP step against torch's on the GPU (no
 #    hook; bench_ddp.py's mlp and narrow (1,602 tensors) shapes, one NCCL rank, alternating, synchronized).
+# 5. fuse_cuda: the compression hooks' compile=True (torch.compile of the encoding and decoding, issue 36)
+#    against their eager form, the hook alone on the transformer's gradients as one bucket, one NCCL rank,
+#    alternating (bench_compression.py --fuse): medians and quartiles, compile seconds, graphs and breaks,
+#    aten operators and kernel launches per call. GPU_CHECKS_CPU=1 runs it on the CPU over gloo instead
+#    (a dry run of its command line; inductor's C++ compiles slowly there: give it a longer limit).
+# 6. gloo's CUDA path under load: benchmarks/gloo_cuda_stress.py, 3 ranks on the one GPU, small buckets, results
+#    compared between ranks (the replicas that once disagreed there), eager and synchronized.
 # Each step's output is in OUTPUT_DIR/<step>.log; a failing step does not stop the later ones, and the
 # script's exit status is the number of failed steps. Steps: tests_cuda_gloo tests_cuda_nccl bench_cuda_nccl
 # bench_cpu_gloo bench_hook_only_cuda bench_cli_torchrun_cuda profile_hook_only_cuda count_calls_cuda
-# ddp_step_cuda gloo_cuda_stress.
-# 5. gloo's CUDA path under load: benchmarks/gloo_cuda_stress.py, 3 ranks on the one GPU, small buckets, results
-#    compared between ranks (the replicas that once disagreed there), eager and synchronized.
+# ddp_step_cuda fuse_cuda gloo_cuda_stress.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_checks.sh OUTPUT_DIR [STEP ...]}
 shift
-wanted=" ${*:-count_calls_cuda ddp_step_cuda tests_cuda_gloo tests_cuda_nccl bench_cuda_nccl bench_cpu_gloo bench_hook_only_cuda bench_cli_torchrun_cuda gloo_cuda_stress profile_hook_only_cuda} "
+wanted=" ${*:-count_calls_cuda ddp_step_cuda fuse_cuda tests_cuda_gloo tests_cuda_nccl bench_cuda_nccl bench_cpu_gloo bench_hook_only_cuda bench_cli_torchrun_cuda gloo_cuda_stress profile_hook_only_cuda} "
 python=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
@@ -45,7 +50,13 @@ step() {  # step NAME SECONDS COMMAND...: run with a hard limit, log, count a fa
     tail -n 4 "$out/$name.log"
 }
 
-"$python" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
+fuse_device=(--device cuda --backend nccl)
+if [[ ${GPU_CHECKS_CPU:-0} == 1 ]]; then  # the fuse step's dry run on a machine without a GPU
+    fuse_device=(--device cpu --backend gloo)
+    "$python" -c "import torch; print('torch', torch.__version__, 'on the CPU')" || exit 1
+else
+    "$python" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
+fi
 step count_calls_cuda 150 "$python" benchmarks/bench_codecs.py --count --device cuda --backend nccl \
     --workloads transformer cnn --tensors 28 800
 cat >"$out/ddp_step_cuda.py" <<'PY'
@@ -94,6 +105,8 @@ for shape in ("mlp", "narrow"):
 dist.destroy_process_group()
 PY
 step ddp_step_cuda 150 "$python" -m torch.distributed.run --standalone --nproc-per-node 1 "$out/ddp_step_cuda.py"
+step fuse_cuda "${FUSE_SECONDS:-150}" "$python" benchmarks/bench_compression.py --fuse --workloads transformer \
+    --hooks signsgd qsgd onebit topk --reps 9 "${fuse_device[@]}"
 pytest=("$python" -m pytest -q -p no:cacheprovider --timeout 300 tests/engine/test_ddp_vs_torch.py tests/hooks/test_properties.py)
 GRADCOMM_TEST_DEVICE=cuda step tests_cuda_gloo 300 "${pytest[@]}" tests/checkpoint/test_hook_state_resume.py
 GRADCOMM_TEST_DEVICE=cuda GRADCOMM_TEST_BACKEND=nccl GRADCOMM_TEST_WORLD_SIZES=1 \

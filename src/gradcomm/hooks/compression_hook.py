@@ -42,6 +42,7 @@ from gradcomm.comm.futures import when_all
 from gradcomm.comm.launcher import OrderedLauncher
 from gradcomm.compression.base import Compressor, SegmentedCompressor
 from gradcomm.compression.communicators import Communicator, Message
+from gradcomm.compression.fusion import codec as fused_codec
 from gradcomm.compression.memory import Memory, NoMemory, ResidualMemory
 from gradcomm.compression.wire import Wire
 from gradcomm.hooks.compression_plan import _DENSE, _itemsize, _Part, _Plan, _Workspace
@@ -64,6 +65,12 @@ class CompressionState(HookState):
         min_compression_rate: compress a gradient only if its dense bytes are at least this many times the
             payload's; otherwise it is sent dense.
         min_numel: gradients with fewer elements are sent dense.
+        compile: run the method's encoding and decoding through :func:`torch.compile`, per bucket layout (the
+            collectives stay outside); meant for CUDA, where the eager codec is bound by launching its
+            kernels. Off by default; each layout compiles at its second step (see
+            :mod:`gradcomm.compression.fusion`). Results are the eager codec's, but for the last bit of a
+            fused reduction (which can move a value across a rounding boundary); the state and its
+            checkpoints are the same either way.
     """
 
     def __init__(
@@ -73,6 +80,7 @@ class CompressionState(HookState):
         process_group: ProcessGroup | None = None,
         min_compression_rate: float = 2.0,
         min_numel: int = 1024,
+        compile: bool = False,
     ):
         if not isinstance(compressor, Compressor):
             raise TypeError(f"CompressionState: compressor must be a Compressor, got {type(compressor).__name__}")
@@ -85,11 +93,19 @@ class CompressionState(HookState):
             raise TypeError(f"CompressionState: min_numel must be an integer, got {min_numel!r}")
         if min_numel < 0:
             raise ValueError(f"CompressionState: min_numel must be at least 0, got {min_numel}")
+        if not isinstance(compile, bool):
+            raise TypeError(f"CompressionState: compile must be True or False, got {compile!r}")
+        if compile and not compressor.segmented:
+            raise ValueError(
+                f"CompressionState: compile=True compiles a segmented method's passes, and "
+                f"{type(compressor).__name__} is not a SegmentedCompressor; leave compile off"
+            )
         self.compressor = compressor
         self.error_feedback = compressor.error_feedback.resolve(error_feedback, type(compressor).__name__)
         self.process_group = process_group
         self.min_compression_rate = min_compression_rate
         self.min_numel = min_numel
+        self.compile = compile
         self.memory: Memory = ResidualMemory() if self.error_feedback else NoMemory()
         self.server_memory = ResidualMemory()
         self._launcher = OrderedLauncher()
@@ -100,6 +116,7 @@ class CompressionState(HookState):
         self._compressible: dict[tuple[torch.Size, torch.dtype], bool] = {}
         self._plans: dict[tuple[Any, ...], _Plan] = {}
         self._used: set[_Plan] = set()
+        self._codec = fused_codec(self.compressor, self.compile)
         residuals = self.memory.state_dict()
         self._check = (
             SavedKeyCheck("CompressionState", {key: tuple(r.shape) for key, r in residuals.items()})
@@ -177,12 +194,12 @@ class CompressionState(HookState):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for cache in ("_keys", "_compressible", "_plans", "_used", "_launcher", "_check"):
+        for cache in ("_keys", "_compressible", "_plans", "_used", "_launcher", "_check", "_codec"):
             state.pop(cache, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
+        super().__setstate__({"compile": False, **state})  # a pickle from before the option: eager
         self._launcher = OrderedLauncher()
         self._reset_caches(loaded=True)
 
@@ -223,9 +240,9 @@ def _encoded(
 ) -> tuple[dict[Communicator, list[tuple[_Part, Message]]], list[torch.Tensor]]:
     """Each communicator's messages of a bucket, with the part each one's mean is written to, and the
     workspace tensors that a mean may be (whose pieces are kept)."""
-    compressor = state.compressor
-    assert isinstance(compressor, SegmentedCompressor)
-    method = compressor.communicator
+    assert isinstance(state.compressor, SegmentedCompressor)
+    compressor = state._codec  # the compressor, or its compiled passes (compile=True)
+    method = state.compressor.communicator
     buffer = bucket_buffer if bucket_buffer.dim() == 1 else bucket_buffer.view(-1)
     batches: dict[Communicator, list[tuple[_Part, Message]]] = {}
     kept: list[torch.Tensor] = []

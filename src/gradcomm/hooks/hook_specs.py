@@ -166,6 +166,7 @@ _COMPRESSION_OPTIONS = (
     Option("error_feedback", bool),
     Option("min_compression_rate", float),
     Option("min_numel", int),
+    Option("compile", bool),
 )
 
 
