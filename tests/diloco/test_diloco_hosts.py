@@ -8,7 +8,8 @@ rank exchanged its own copy with its peers of the same local rank), the replicas
 sync, with a compressor too, and a run resumed from each rank's state (an exchange in flight) equals the
 uninterrupted one; whether the replica check runs is the host's first rank's hook's answer. A compressor
 failing on a host's first rank fails every rank: that rank with CommHookError, the others, waiting for its
-exchange or its broadcast, with PeerLostError.
+exchange or its broadcast, with PeerLostError. DDP groups that do not split the ranks into disjoint
+replicas are refused on every rank.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 import gradcomm
 from gradcomm.diloco import DiLoCo
+from gradcomm.diloco.groups import replica_leaders_group
 from gradcomm.hooks import default_hooks
 from gradcomm.testing import run_on_ranks
 from tests.diloco.test_diloco import _backward, _batch_norm_model, _inner
@@ -193,3 +195,19 @@ def test_a_hosts_other_ranks_follow_its_first_ranks_hook_on_the_replica_check() 
     """Whether the replica check runs after a sync is the hook's answer on the host's first rank: asked on
     its own never-called state, a host's other rank would run a check that no first rank joins."""
     assert run_on_ranks(state_dependent_check, 4, timeout=150, collective_timeout=10) == [3, 3, 3, 3]
+
+
+def leaders_of_overlapping_ddp_groups() -> str:
+    """Rank 1's DDP group (1, 2, 3) overlaps ranks 2 and 3's (2, 3): no split into replicas."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3]), dist.new_group([1, 2, 3])]
+    mine = [groups[0], groups[2], groups[1], groups[1]][dist.get_rank()]
+    return error_text(lambda: replica_leaders_group(types.SimpleNamespace(process_group=mine)))
+
+
+@pytest.mark.timeout(120)
+def test_ddp_groups_that_are_not_disjoint_replicas_are_refused_on_every_rank() -> None:
+    for message in run_on_ranks(leaders_of_overlapping_ddp_groups, 4, timeout=90, collective_timeout=30):
+        assert message.startswith(
+            "ValueError: gradcomm.DiLoCo: the model is wrapped in a DDP, so DiLoCo works across the DDPs' groups "
+            "(one replica each), but rank 0's DDP group is [0, 1] and its members' are [[0, 1], [1, 2, 3]]"
+        ), message
