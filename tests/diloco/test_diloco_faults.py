@@ -194,12 +194,12 @@ def nested_in_ddp(kind: str) -> dict[str, Any]:
         ddp: torch.nn.Module = gradcomm.DistributedDataParallel(model, process_group=node)
     else:
         ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=node)
-    # QSGD rounds at random: the two groups across the nodes, ranks 0 and 2 and ranks 1 and 3, each get
-    # an average of their own, of which each node must keep one
+    # QSGD rounds at random: the nodes' first ranks, 0 and 2, exchange, and each broadcasts the average in
+    # its node
     compressor = "qsgd:bucket_size=8,min_numel=0,min_compression_rate=0" if kind.endswith("qsgd") else None
     diloco = DiLoCo(ddp, _inner(model), sync_every=3, compressor=compressor)
     out: dict[str, Any] = {
-        "group": dist.get_process_group_ranks(diloco.group),
+        "group": dist.get_process_group_ranks(diloco.group) if diloco.group is not None else None,
         "node_same": [],
         "all_same": [],
         "buffers_same": [],
@@ -227,7 +227,7 @@ def nested_in_ddp(kind: str) -> dict[str, Any]:
 @pytest.mark.parametrize("kind", ["gradcomm", "torch", "gradcomm-qsgd"])
 def test_nested_in_a_ddp_works_across_nodes(kind: str) -> None:
     ranks = run_on_ranks(nested_in_ddp, 4, args=(kind,), timeout=150, collective_timeout=30)
-    assert [r["group"] for r in ranks] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [r["group"] for r in ranks] == [[0, 2], None, [0, 2], None]  # the nodes' first ranks exchange
     for r in ranks:
         assert all(r["node_same"]), r
         assert r["all_same"] == [t % 3 == 0 for t in range(1, 8)], r

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
 def _run_locally(args: argparse.Namespace) -> int:
     from gradcomm.bench.launch import RankFailure, run_ranks
-    from gradcomm.bench.runner import bench_rank, finished_runs
+    from gradcomm.bench.runner import bench_rank
     from gradcomm.testing.network import (
         NetworkSetupError,
         ShapedNetwork,
@@ -123,16 +123,25 @@ def _run_locally(args: argparse.Namespace) -> int:
             error_log.write_text(exc.report)
         except OSError as write_error:
             raise BenchError(f"{exc} (the full report could not be written: {write_error})", status=1) from None
-        finished = finished_runs(output / "finished", world_size)
-        if finished:  # e.g. stopped by --timeout: the hooks every rank finished are still worth their table
-            done = len(finished[0])
-            print(f"the run stopped during hook {done + 1} of {len(config.hooks)}; the {done} finished:", flush=True)
-            _report(args, dataclasses.replace(config, hooks=config.hooks[:done]), finished, output, rate)
+        _report_finished(args, config, output, world_size, rate)
         raise BenchError(f"{exc} (full report: {error_log})", status=1) from None
     finally:
         progress_queue.close()
     _report(args, config, runs, output, rate)
     return 0
+
+
+def _report_finished(
+    args: argparse.Namespace, config: BenchConfig, output: Path, world_size: int, rate: float | None
+) -> None:
+    """After a failed or stopped run: the table and results of the hooks every rank finished, if any."""
+    from gradcomm.bench.runner import finished_runs
+
+    finished = finished_runs(output / "finished", world_size)
+    if finished:  # e.g. stopped by --timeout: the hooks every rank finished are still worth their table
+        done = len(finished[0])
+        print(f"the run stopped during hook {done + 1} of {len(config.hooks)}; the {done} finished:", flush=True)
+        _report(args, dataclasses.replace(config, hooks=config.hooks[:done]), finished, output, rate)
 
 
 def _run_hosts(args: argparse.Namespace, argv: list[str]) -> int:
@@ -170,6 +179,7 @@ def _run_hosts(args: argparse.Namespace, argv: list[str]) -> int:
     except NetworkSetupError as exc:
         raise BenchError(f"could not set up the hosts' network: {exc}", status=1) from None
     except HostsFailure as exc:
+        _report_finished(args, config, output, nodes * procs, rate)
         raise BenchError(str(exc), status=1) from None
     try:
         document = json.loads((output / "results.json").read_text())
@@ -191,7 +201,7 @@ def _run_under_torchrun(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from gradcomm.bench.multinode import HOST_LINK_ENV, redirect_rank_output
+    from gradcomm.bench.multinode import FINISHED_DIR_ENV, HOST_LINK_ENV, redirect_rank_output
     from gradcomm.bench.runner import bench_rank
     from gradcomm.testing.network import parse_rate
 
@@ -223,7 +233,7 @@ def _run_under_torchrun(args: argparse.Namespace) -> int:
         device_id=torch.device(device) if device.startswith("cuda") else None,  # NCCL's barrier then knows it
     )
     try:
-        runs = bench_rank(config)
+        runs = bench_rank(config, finished_dir=os.environ.get(FINISHED_DIR_ENV))
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, runs)
         if output is not None:

@@ -9,8 +9,9 @@ runner trains and measures every choice through the same few calls.
 On several hosts of several ranks each (``gradcomm bench --nodes N --procs-per-node P``, or torchrun with
 ``1 < LOCAL_WORLD_SIZE < WORLD_SIZE``), DiLoCo runs as :class:`gradcomm.DiLoCo` documents it for a cluster:
 each host's ranks train one replica through gradcomm's DDP (plain allreduce every step, on the host's fast
-link), and DiLoCo averages pseudo-gradients across the hosts only. On one host (the bench's local ranks) or
-one rank per host, DiLoCo runs over every rank, each rank a replica.
+link), and DiLoCo averages pseudo-gradients across the hosts only, each host's first rank exchanging for
+it (one copy per host crosses). On one host (the bench's local ranks) or one rank per host, DiLoCo runs
+over every rank, each rank a replica.
 
 What a method's row reports (:class:`DiLoCoMethod`): bytes per step are the outer exchanges' bytes (and, on
 hosts, the DDP's every step inside the host, as a hierarchical hook's row counts its stages inside the host)

@@ -18,7 +18,10 @@ ask for:
 * local rank 0 of each host records the byte counters of the host's link during every hook's training
   (:envvar:`GRADCOMM_BENCH_HOST_LINK`), and rank 0 reports the floor from them;
 * every rank writes its output to ``<output>/logs/rank<i>.log`` (:envvar:`GRADCOMM_BENCH_LOG_DIR`), each
-  torchrun to ``<output>/logs/host<i>.log``, and rank 0 the results to ``--output``.
+  torchrun to ``<output>/logs/host<i>.log``, and rank 0 the results to ``--output``;
+* every rank writes the runs it finished so far to ``<output>/finished/rank<i>.json`` after each hook
+  (:envvar:`GRADCOMM_BENCH_FINISHED_DIR`), as the bench's local ranks do, so that when a later hook fails (or
+  the run passes ``--timeout``) the parent still reports the hooks every rank finished.
 
 The parent owns the network and both torchruns: when one torchrun fails, the run passes ``--timeout``, or on
 Ctrl-C, it stops them all (SIGTERM, which torchrun passes on to its ranks, then SIGKILL to whatever is left
@@ -41,7 +44,7 @@ from gradcomm.errors import GradcommError
 from gradcomm.testing.network import HostNetwork
 from gradcomm.testing.processes import log_rank_output, set_parent_death_signal
 
-__all__ = ["HOST_LINK_ENV", "LOG_DIR_ENV", "HostsFailure", "redirect_rank_output", "run_hosts"]
+__all__ = ["FINISHED_DIR_ENV", "HOST_LINK_ENV", "LOG_DIR_ENV", "HostsFailure", "redirect_rank_output", "run_hosts"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +54,10 @@ emulated and shaped to ``--bandwidth``)."""
 
 LOG_DIR_ENV = "GRADCOMM_BENCH_LOG_DIR"
 """Set by :func:`run_hosts` for the ranks: where each writes ``rank<RANK>.log``."""
+
+FINISHED_DIR_ENV = "GRADCOMM_BENCH_FINISHED_DIR"
+"""Set by :func:`run_hosts` for the ranks: where each writes ``rank<RANK>.json``, the runs it finished so far
+(:func:`gradcomm.bench.runner.bench_rank`'s ``finished_dir``)."""
 
 RDZV_PORT = 29400  # torchrun's default for c10d; free in a fresh namespace
 _POLL_SECONDS = 0.2
@@ -65,13 +72,14 @@ class HostsFailure(GradcommError, RuntimeError):
     """
 
 
-def rank_environment(net: HostNetwork, log_dir: Path) -> dict[str, str]:
+def rank_environment(net: HostNetwork, log_dir: Path, finished_dir: Path) -> dict[str, str]:
     """The environment of every host's torchrun, and so of its ranks."""
     return {
         **os.environ,
         "GLOO_SOCKET_IFNAME": net.ifname,
         HOST_LINK_ENV: net.ifname,
         LOG_DIR_ENV: str(log_dir),
+        FINISHED_DIR_ENV: str(finished_dir),
         "PYTHONUNBUFFERED": "1",
     }
 
@@ -125,15 +133,17 @@ def run_hosts(
     Returns once every torchrun has exited successfully (rank 0 has then written the results to ``output``).
 
     Raises:
-        HostsFailure: a torchrun exited with an error, or the run passed ``timeout`` seconds.
+        HostsFailure: a torchrun exited with an error, or the run passed ``timeout`` seconds; the runs each
+            rank finished before are in ``output / "finished"`` (:func:`gradcomm.bench.runner.finished_runs`).
         NetworkSetupError: the hosts' network could not be built or removed.
     """
     output = output.resolve()
-    log_dir = output / "logs"
+    log_dir, finished_dir = output / "logs", output / "finished"
     log_dir.mkdir(parents=True, exist_ok=True)
+    finished_dir.mkdir(exist_ok=True)
     args = [*without_option(bench_args, "--output"), "--output", str(output)]
     with HostNetwork(nodes, rate_bps, latency_s) as net:
-        env = rank_environment(net, log_dir)
+        env = rank_environment(net, log_dir, finished_dir)
         rdzv_id = f"gradcomm-bench-{net.prefix}"
         procs: list[subprocess.Popen[bytes]] = []
         logs = [log_dir / f"host{host}.log" for host in range(nodes)]

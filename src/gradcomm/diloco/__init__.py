@@ -65,11 +65,17 @@ Usage::
     gradcomm.load_checkpoint(path, model, inner, diloco)   # the resumed run equals the uninterrupted one
 
 Wrapped in a DDP (``gradcomm.DiLoCo(DistributedDataParallel(model, ...), inner)``), the DDP averages the
-gradients every step within its group (e.g. a node) and DiLoCo works across the groups: by default over the
-ranks of the same local rank on every node (torchrun's ``LOCAL_WORLD_SIZE``); pass ``process_group=``
-otherwise. Each rank of a node exchanges with its own peers, and a compressor that rounds at random gives
-each a different average, so the node's ranks take its first rank's (one broadcast inside the DDP's group
-per sync): the node's replicas stay identical. ``anchor_device="cpu"`` keeps the anchors and the outer optimizer's state off the accelerator.
+gradients every step within its group (e.g. a host) and DiLoCo works across the groups, each DDP's group one
+replica: by default only each replica's first rank exchanges, over the group of those first ranks (made at
+construction from the DDPs' groups, which must split the ranks into disjoint replicas), and then broadcasts
+the averaged pseudo-gradients (and the synced buffers) inside its DDP's group. So the link between hosts
+carries one copy of each host's pseudo-gradients per sync, not one per rank, the host's other ranks wait
+for the broadcast, and a compressor's state advances on the first ranks only (the hierarchical hook's
+layout, :mod:`gradcomm.hooks.hierarchical_hook`). The outer update is that of DiLoCo over the replicas,
+whose ranks all end each sync identical. ``process_group=`` instead makes every rank exchange over the group
+it is given (:func:`gradcomm.diloco.groups.across_nodes_group`: the ranks of the same local rank on every
+node, each node then sending one copy per rank), its DDP group's first rank's result kept.
+``anchor_device="cpu"`` keeps the anchors and the outer optimizer's state off the accelerator.
 
 Guarantees: constructing a DiLoCo is a collective that broadcasts the parameters from the group's first rank
 and compares the setup (``sync_every``, ``fragments``, ``overlap``, ``mixing``, the outer optimizer, the
@@ -78,15 +84,16 @@ fragment layout, the compressor and its options) across the ranks, which all rai
 same on every rank to the bit, checked with one small all-gather (``check_replicas=False`` turns it off);
 between syncs the replicas differ on purpose (:meth:`DiLoCo.replicas_may_differ`). A peer lost during an outer
 exchange raises :class:`~gradcomm.PeerLostError` (a failing compressor :class:`~gradcomm.CommHookError`) on
-every rank within the process group's timeout; the anchors (:meth:`DiLoCo.synced_parameters`, and
+every rank within the process group's timeout (a replica's other ranks, waiting for its first rank's
+broadcast, with PeerLostError); the anchors (:meth:`DiLoCo.synced_parameters`, and
 :meth:`DiLoCo.state_dict`) still hold the last synced parameters, and the DiLoCo refuses further steps.
 :meth:`DiLoCo.state_dict` holds the counters and each fragment's parts (the fragment schedule), the anchors,
 the outer optimizer, the compressor's state and any exchange in flight, in tensors and plain values
 (``torch.load(..., weights_only=True)``), so a resumed run equals the uninterrupted one bit for bit. Buffers
 (batch-norm statistics) are averaged at every sync of fragment 0 (see :mod:`gradcomm.diloco.buffers`), so
-right after it they too are the same on every rank (:meth:`DiLoCo.synced_buffers`); in a DDP that broadcasts
-its buffers at every forward (the default), the buffers averaged are those of the DDP group's first rank,
-which the group's other ranks would take at their next forward anyway.
+right after it they too are the same on every rank (:meth:`DiLoCo.synced_buffers`); in a DDP, the buffers
+averaged are those of the DDP group's first rank (which a DDP broadcasting its buffers at every forward, the
+default, gives the group's other ranks at their next forward anyway).
 """
 
 from gradcomm.diloco.core import DiLoCo

@@ -15,14 +15,16 @@ from torch.distributed import ProcessGroup
 
 from gradcomm import comm
 from gradcomm.comm.agreement import broadcast_coalesced, check_same_parameters
+from gradcomm.comm.collectives import collective_device
 from gradcomm.comm.faults import reporting_lost_peers
 from gradcomm.comm.telemetry import CommStats
 from gradcomm.diloco.buffers import average_buffers
 from gradcomm.diloco.exchange import FragmentExchange, PendingExchange
 from gradcomm.diloco.fragments import Fragment, split_into_fragments
-from gradcomm.diloco.groups import across_nodes_group, replica_group, unwrap_ddp
+from gradcomm.diloco.groups import replica_group, replica_leaders_group, unwrap_ddp
 from gradcomm.diloco.runners import FragmentRunners
 from gradcomm.diloco.state import FORMAT, Compressor, describe_outer, load_diloco_state
+from gradcomm.hooks.contract import declares_replicas_may_differ
 from gradcomm.hooks.parameter_keys import name_parameters
 
 __all__ = ["DiLoCo"]
@@ -41,7 +43,7 @@ class DiLoCo:
     Args:
         model: a plain module, or one wrapped in a DDP (the DDP then averages within its group every step and
             DiLoCo works across the groups: see ``process_group``). Its parameters are broadcast from the
-            group's first rank at construction, so every replica starts from the same point.
+            first rank at construction, so every replica starts from the same point.
         inner_optimizer: the optimizer of the model's parameters (AdamW in the papers); :meth:`step` runs it.
         sync_every: ``H``, the inner steps between two outer syncs of a fragment (default 50: see "Defaults"
             in :mod:`gradcomm.diloco` for how it and the outer optimizer's defaults were measured).
@@ -66,8 +68,14 @@ class DiLoCo:
         anchor_device: where the anchors and the outer optimizer's state live (``"cpu"`` saves accelerator
             memory, as torchft does); ``None``: the parameters' device.
         process_group: the group averaged across; ``None``: the default group, or for a DDP-wrapped model the
-            ranks of the same local rank on every node (from ``LOCAL_WORLD_SIZE``).
+            first ranks of the DDPs' groups, each of which broadcasts the result inside its DDP's group (one
+            copy of each replica's pseudo-gradients crosses between hosts). Given with a DDP-wrapped model,
+            every rank exchanges over the group it gives and takes its DDP group's first rank's result.
         check_replicas: compare the synced parameters across the ranks bit for bit right after each sync.
+
+    Attributes:
+        group: the group of the outer exchange; ``None`` on a DDP's other ranks where only the DDPs' first
+            ranks exchange (``exchanging`` is then false: they receive the result from their first rank).
 
     Constructing it is a collective: the ranks compare their setup and all raise
     :class:`~gradcomm.RanksDisagreeError` if it differs.
@@ -102,10 +110,13 @@ class DiLoCo:
         if not 0.0 <= mixing < 1.0:
             raise ValueError(f"{_WHO}: mixing (Streaming DiLoCo's alpha) must be in [0, 1), got {mixing}")
         module, wrapped = unwrap_ddp(model)
-        if process_group is None and wrapped:
-            process_group = across_nodes_group()
         self._replica_group = replica_group(model) if wrapped else None
-        self._buffer_source = self._replica_group if getattr(model, "forward_sync_buffers", False) else None
+        self._everyone, self.exchanging = process_group, True
+        self._first_ranks_exchange = process_group is None and wrapped
+        if self._first_ranks_exchange:
+            self._everyone = dist.group.WORLD
+            process_group = replica_leaders_group(model)
+            self.exchanging = process_group is not None
         self.module, self.inner_optimizer, self.group = module, inner_optimizer, process_group
         self.sync_every, self.overlap, self.mixing, self.check_replicas = (
             sync_every,
@@ -118,12 +129,12 @@ class DiLoCo:
         self.fragment_unit, self._named = fragment_unit, named
         self.fragments: list[Fragment] = split_into_fragments(named, fragments, sync_every, fragment_unit)
         self._runners = FragmentRunners(
-            _WHO, fragments, compressor, process_group, self._setup(outer_optimizer)
+            _WHO, fragments, compressor, process_group, self._setup(outer_optimizer), self._everyone
         )
         self._buffers = list(module.named_buffers())
         broadcast_coalesced(
             [p for _, p in named] + [b for _, b in self._buffers],
-            process_group if process_group is not None else dist.group.WORLD,
+            self._everyone if self._everyone is not None else dist.group.WORLD,
         )
         self._synced_buffers = {name: b.detach().clone() for name, b in self._buffers}
         self._full_anchors = {name: _anchor(p, anchor_device) for name, p in named}
@@ -190,35 +201,52 @@ class DiLoCo:
         collective may start on the group while they run. Only exchanges that overlap in time wait: with
         ``fragments * overlap < sync_every``, none does."""
         for index, pending in self._pending.items():
-            if self._runners[index].hook is not None:
+            if self.exchanging and self._runners[index].hook is not None:
                 self._exchanges[index].collect(self._runners[index], pending)
 
     def _launch(self, index: int) -> None:
         self._settle()
         stats = self._runners.stats
         stats.begin_step()
-        world = dist.get_world_size(self.group)
-        buffers = None
-        if index == 0 and self._buffers:
-            if self._buffer_source is not None:
-                where = "broadcasting the buffers inside the DDP's group before an outer sync"
-                with reporting_lost_peers(self.inner_steps, where, self._buffer_source):
-                    broadcast_coalesced([b for _, b in self._buffers], self._buffer_source)
-            with comm.counting_into(stats.traffic):
-                buffers = average_buffers(self._buffers, self.group, self.inner_steps)
-        self._pending[index] = self._exchanges[index].launch(self._runners[index], self.inner_steps, world)
-        self._pending[index].buffers = buffers
+        if self.exchanging:
+            buffers = None
+            if index == 0 and self._buffers:
+                with comm.counting_into(stats.traffic):
+                    buffers = average_buffers(self._buffers, self.group, self.inner_steps)
+            world = dist.get_world_size(self.group)
+            pending = self._exchanges[index].launch(self._runners[index], self.inner_steps, world)
+            pending.buffers = buffers
+        else:  # the replica's first rank exchanges; _apply receives its result
+            pending = PendingExchange(index, self.inner_steps)
+            if index == 0 and self._buffers:
+                pending.buffers = {name: buffer.detach().clone() for name, buffer in self._buffers}
+        self._pending[index] = pending
         stats.end_step()
+
+    def _averaged(self, index: int, pending: PendingExchange) -> list[torch.Tensor]:
+        """Fragment ``index``'s averaged pseudo-gradients: waited for where this rank exchanges, else room for
+        its replica's first rank's, which :meth:`_apply` broadcasts."""
+        if self.exchanging:
+            return self._exchanges[index].collect(self._runners[index], pending)
+        if pending.averaged is None:
+            pending.averaged = [
+                torch.empty(part.shape, dtype=part.param.dtype, device=part.param.device)
+                for part in self.fragments[index].parts
+            ]
+        return pending.averaged
 
     def _apply(self, index: int) -> None:
         """Wait for fragment ``index``'s exchange, step the outer optimizer on its anchors, and set the
         fragment's parameters from them (mixed with the local ones where ``mixing`` > 0)."""
         pending = self._pending[index]
-        averaged = self._exchanges[index].collect(self._runners[index], pending)
+        averaged = self._averaged(index, pending)
         if self._replica_group is not None:
+            synced = list(averaged)
+            if pending.buffers is not None:
+                synced += [pending.buffers[name] for name, _ in self._buffers]
             where = "broadcasting the averaged pseudo-gradients inside the DDP's group"
             with reporting_lost_peers(self.inner_steps, where, self._replica_group):
-                broadcast_coalesced(averaged, self._replica_group)
+                broadcast_coalesced(synced, self._replica_group)
         anchors, fragment = self.anchors[index], self.fragments[index]
         for anchor, grad in zip(anchors, averaged, strict=True):
             anchor.grad = grad.to(anchor.device)
@@ -238,13 +266,27 @@ class DiLoCo:
         del self._pending[index]
         self._synced_at[index] = self.inner_steps
         self.synced_steps += 1
-        if self.check_replicas and self.mixing == 0.0 and not self._runners[index].replicas_may_differ():
+        if self.check_replicas and self.mixing == 0.0 and not self._replicas_may_differ_after(index):
             self._settle()
             when = f"right after outer sync {self.synced_steps} (fragment {index}, inner step {self.inner_steps}),"
             named = [(part.key, part.of(part.param.detach())) for part in fragment.parts]
             if pending.buffers is not None:
                 named += self._buffers
-            check_same_parameters(named, self.group, _WHO, when)
+            check_same_parameters(named, self._everyone, _WHO, when)
+
+    def _replicas_may_differ_after(self, index: int) -> bool:
+        """Whether fragment ``index``'s hook leaves the replicas different on purpose after this sync (a
+        post-local SGD or no-op compressor). Where only the replicas' first ranks exchange, the other ranks'
+        hook states never advance, so they take their first rank's answer (one more broadcast in the DDP's
+        group, for such a hook only): every rank then runs the replica check, or none."""
+        runner = self._runners[index]
+        if runner.hook is None or not declares_replicas_may_differ(runner.hook):
+            return False
+        flag = torch.tensor([int(runner.replicas_may_differ())], device=collective_device(self._replica_group))
+        if self._replica_group is not None and self._first_ranks_exchange:
+            with reporting_lost_peers(self.inner_steps, "broadcasting the hook's answer", self._replica_group):
+                broadcast_coalesced([flag], self._replica_group)
+        return bool(flag.item())
 
     def wait_pending(self) -> None:
         """Apply every outer update still in flight now (at the end of training, with ``overlap``)."""
@@ -293,7 +335,7 @@ class DiLoCo:
                 {
                     "fragment": f,
                     "launched_at": p.launched_at,
-                    "averaged": self._exchanges[f].collect(self._runners[f], p),
+                    "averaged": self._exchanges[f].collect(self._runners[f], p) if self.exchanging else None,
                     "buffers": p.buffers,
                 }
                 for f, p in sorted(self._pending.items())

@@ -1,8 +1,12 @@
 """DiLoCo over a DDP: which model DiLoCo works on, and the group of the DDPs it works across.
 
-Wrapped in a DDP, the model's gradients are averaged every step within the DDP's group (a node); DiLoCo
-then averages pseudo-gradients across the nodes, over the group of the ranks with the same local rank
-(torchrun's layout: global rank = node * LOCAL_WORLD_SIZE + local rank).
+Wrapped in a DDP, the model's gradients are averaged every step within the DDP's group (a host); the
+host's ranks hold one replica. DiLoCo then averages pseudo-gradients across the replicas over the group of
+their first ranks (:func:`replica_leaders_group`), so the link between hosts carries one copy of each
+host's pseudo-gradients, and each first rank broadcasts the result inside its replica: the layout of the
+hierarchical hook (:mod:`gradcomm.hooks.hierarchical_hook`), with its node leaders.
+:func:`across_nodes_group` is the other layout, every local rank exchanging with its peers of the same
+local rank (each host then sends its pseudo-gradients once per rank): pass it as ``process_group=``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from torch.distributed import ProcessGroup
 from gradcomm.comm.agreement import check_same_on_all_ranks
 from gradcomm.comm.faults import derived_group_timeout
 
-__all__ = ["across_nodes_group", "replica_group", "unwrap_ddp"]
+__all__ = ["across_nodes_group", "replica_group", "replica_leaders_group", "unwrap_ddp"]
 
 _ENV = "LOCAL_WORLD_SIZE"
 
@@ -41,11 +45,11 @@ def replica_group(model: nn.Module) -> ProcessGroup | None:
     """The group of a DDP ``model`` (its ranks train one replica together), or ``None`` when the DDP spans a
     single rank.
 
-    Its ranks hold the same parameters between syncs, but each exchanges its pseudo-gradients with its own
-    peers on the other nodes (the ranks of its local rank): a compressor that rounds at random (QSGD) or a
-    collective that sums in another order gives each a different average, so the replica's ranks must take
-    one of them, its first rank's. A DDP that broadcasts its buffers at every forward (gradcomm's and
-    torch's ``forward_sync_buffers``) also makes its first rank's buffers the replica's.
+    Its ranks hold the same parameters between syncs; its first rank exchanges the pseudo-gradients (and
+    buffers) with the other replicas' and broadcasts the result inside this group. Where every rank
+    exchanges (a ``process_group`` given), a compressor that rounds at random (QSGD) or a collective that
+    sums in another order would give each a different average, so there too the replica's ranks take its
+    first rank's.
     """
     group = getattr(model, "process_group", None)
     group = group if group is not None else dist.group.WORLD
@@ -79,3 +83,34 @@ def across_nodes_group() -> ProcessGroup:
             mine = group
     assert mine is not None
     return mine
+
+
+def _ddp_ranks(model: nn.Module) -> list[int]:
+    group = getattr(model, "process_group", None)
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def replica_leaders_group(model: nn.Module) -> ProcessGroup | None:
+    """The group of the first ranks of the DDPs (each DDP's group one replica, e.g. a host) on such a first
+    rank, ``None`` on every other rank; a collective of the default group (one ``all_gather_object`` of each
+    rank's DDP group, then ``new_group`` of the first ranks on every rank, with the default group's timeout).
+
+    Raises:
+        ValueError: the DDPs' groups do not split the ranks into disjoint replicas (on every rank).
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = _ddp_ranks(model)
+    everyone: list[list[int]] = [[] for _ in range(world)]
+    dist.all_gather_object(everyone, mine)
+    for r, ranks in enumerate(everyone):
+        if r not in ranks or any(everyone[m] != ranks for m in ranks):
+            raise ValueError(
+                f"gradcomm.DiLoCo: the model is wrapped in a DDP, so DiLoCo works across the DDPs' groups (one "
+                f"replica each), but rank {r}'s DDP group is {ranks} and its members' are "
+                f"{[everyone[m] for m in ranks if 0 <= m < world]}; wrap every rank's model in a DDP over the "
+                "ranks of its host (the same group on each of them), or pass process_group="
+            )
+    leaders = sorted({ranks[0] for ranks in everyone})
+    timeout = derived_group_timeout()
+    group = dist.new_group(leaders, timeout=timeout) if timeout is not None else dist.new_group(leaders)
+    return group if rank == mine[0] else None

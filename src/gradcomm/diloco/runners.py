@@ -22,8 +22,10 @@ __all__ = ["FragmentRunners"]
 
 
 class FragmentRunners:
-    """The hook runners of ``fragments`` fragments on ``group``; constructing them is a collective in which
-    the ranks compare ``setup`` and the compressor (one comparison per fragment)."""
+    """The hook runners of ``fragments`` fragments on ``group``; constructing them is a collective of
+    ``compared_on`` (every rank of the DiLoCo: ``group`` itself, or every rank where only the replicas' first
+    ranks make up ``group``, and it is ``None`` on the others), in which the ranks compare ``setup`` and the
+    compressor (one comparison per fragment)."""
 
     def __init__(
         self,
@@ -35,13 +37,14 @@ class FragmentRunners:
         | None,
         group: ProcessGroup | None,
         setup: dict[str, str],
+        compared_on: ProcessGroup | None,
     ) -> None:
         self.stats = CommStats(hook_name=DEFAULT_HOOK_NAME, group=group)
         self.runners: list[HookRunner] = []
         for index in range(fragments):
-            runner = HookRunner(who, group, kind="DiLoCo")
+            runner = HookRunner(who, compared_on, kind="DiLoCo")
             runner.stats = self.stats
-            hook, state = compressor_hook(compressor, group)
+            hook, state = compressor_hook(compressor, group if group is not None else compared_on)
             if (
                 index > 0
                 and state is not None
@@ -58,6 +61,7 @@ class FragmentRunners:
                 runner.register(state, hook, None, fragment_setup)
             else:
                 runner.check_same_setup(fragment_setup)
+            runner.group = group
             self.runners.append(runner)
 
     def __getitem__(self, index: int) -> HookRunner:

@@ -127,7 +127,9 @@ def load_diloco_state(diloco: DiLoCo, saved: dict[str, Any]) -> None:
     diloco._pending = {}
     for entry in saved["pending"]:
         params = diloco.fragments[entry["fragment"]].params
-        averaged = [t.to(p.device) for t, p in zip(entry["averaged"], params, strict=True)]
+        averaged = None  # saved by a rank that receives the average from its replica's first rank
+        if entry["averaged"] is not None:
+            averaged = [t.to(p.device) for t, p in zip(entry["averaged"], params, strict=True)]
         diloco._pending[entry["fragment"]] = PendingExchange(
             entry["fragment"], int(entry["launched_at"]), averaged=averaged, buffers=entry.get("buffers")
         )
