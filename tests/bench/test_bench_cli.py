@@ -573,7 +573,8 @@ def test_a_stopped_run_still_reports_the_hooks_every_rank_finished(tmp_path: Pat
     and written, and the run still fails with its one-line error."""
     run = tmp_path / "run"
     bench = subprocess.Popen(
-        [*GRADCOMM, "bench", "--workload", "cnn", "--steps", "400", "--hooks", "allreduce", "fp16_compress",
+        # enough steps that the second hook still trains when the kill lands, a poll after the first one ends
+        [*GRADCOMM, "bench", "--workload", "cnn", "--steps", "150", "--hooks", "allreduce", "fp16_compress",
          "--collective-timeout", "20", "--output", str(run)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

@@ -29,7 +29,7 @@ from gradcomm.checkpoint import (
 )
 from gradcomm.comm.faults import PeerLostError
 from gradcomm.testing import RankError, run_on_ranks
-from tests.support.ranks import error_text
+from tests.support.ranks import each_part, error_text, part_results
 from tests.support.training import flat_parameters
 
 
@@ -162,10 +162,11 @@ def _failing_saves(path: str) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_a_failed_write_or_commit_raises_on_every_rank_and_keeps_the_previous_checkpoint(tmp_path):
-    path = str(tmp_path / "checkpoint")
-    results = run_on_ranks(_failing_saves, 3, args=(path,), timeout=120)
+@pytest.mark.timeout(240)
+def test_a_failed_write_or_commit_raises_on_every_rank_and_keeps_the_previous_checkpoint(three_ranks):
+    folders, by_rank = three_ranks
+    path = folders["failing saves"]
+    results = part_results(by_rank, "failing saves")
     for rank in range(3):
         got = results[rank]
         assert got["write"] == results[0]["write"] and got["commit"] == results[0]["commit"]
@@ -223,10 +224,24 @@ def _load_broken_folders(base: str) -> dict[str, Any]:
     return found
 
 
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory):
+    """(folder per part, per rank its results): the failing saves and the broken folders, one 3-rank group."""
+    folders = {
+        "failing saves": str(tmp_path_factory.mktemp("failing_saves") / "checkpoint"),
+        "broken folders": str(tmp_path_factory.mktemp("broken_folders")),
+    }
+    parts = [("failing saves", _failing_saves, (folders["failing saves"],)),
+             ("broken folders", _load_broken_folders, (folders["broken folders"],))]
+    return folders, run_on_ranks(each_part, 3, args=(parts,), timeout=200)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_folders_without_one_complete_checkpoint_raise_on_every_rank_naming_ranks_and_steps(tmp_path):
-    found = run_on_ranks(_load_broken_folders, 3, args=(str(tmp_path),), timeout=120)
+@pytest.mark.timeout(240)
+def test_folders_without_one_complete_checkpoint_raise_on_every_rank_naming_ranks_and_steps(three_ranks):
+    folders, by_rank = three_ranks
+    base = folders["broken folders"]
+    found = part_results(by_rank, "broken folders")
     older, newer = found[0]["ids"]["older"], found[0]["ids"]["newer"]
     errors = {name: found[0][name]["error"] for name in ("mixed", "missing", "truncated", "no_manifest", "old_format")}
     for rank in range(3):
@@ -236,10 +251,10 @@ def test_folders_without_one_complete_checkpoint_raise_on_every_rank_naming_rank
 
     assert errors["mixed"].startswith("CheckpointError: load_checkpoint: ")
     assert f"rank 1 found step 2 (id {older}), ranks 0, 2 found step 4 (id {newer})" in errors["mixed"]
-    stale = os.path.join(str(tmp_path), "mixed", f"rank1-{newer}.pt")
+    stale = os.path.join(base, "mixed", f"rank1-{newer}.pt")
     assert f"rank 1: {stale!r} holds step 2 (id {older}), not the checkpoint {MANIFEST} names" in errors["mixed"]
     assert "nothing was loaded on any rank" in errors["mixed"]
-    assert f"rank 2: {os.path.join(str(tmp_path), 'missing', f'rank2-{newer}.pt')!r} is missing" in errors["missing"]
+    assert f"rank 2: {os.path.join(base, 'missing', f'rank2-{newer}.pt')!r} is missing" in errors["missing"]
     assert "rank 0: " in errors["truncated"] and "could not be read" in errors["truncated"]
     assert "rank 1" not in errors["truncated"] and "rank 2" not in errors["truncated"]
     assert errors["no_manifest"].startswith("FileNotFoundError: load_checkpoint: no complete checkpoint in")

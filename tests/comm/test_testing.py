@@ -69,8 +69,9 @@ def test_failing_rank_traceback_is_reported():
 def test_dead_rank_and_stuck_rank_fail_within_timeout():
     with pytest.raises(RankError, match=r"rank 1 of 2 exited with code 3"):
         run_on_ranks(_exit_on_rank_one, 2, collective_timeout=10)
-    with pytest.raises(RankError, match=r"did not finish within 8 s"):
-        run_on_ranks(_stall, 2, timeout=8)
+    # the whole wait is the timeout; the stall is reported the same wherever the ranks are when it ends
+    with pytest.raises(RankError, match=r"did not finish within 5 s"):
+        run_on_ranks(_stall, 2, timeout=5)
 
 
 def _signals_seen() -> tuple[bool, int]:

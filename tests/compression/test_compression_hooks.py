@@ -465,10 +465,24 @@ def _every_hook_call(write_into_buffer: bool) -> dict[str, list[tuple[bool, byte
     return results
 
 
+def _every_hook_call_both_ways() -> tuple[dict[str, list[tuple[bool, bytes]]], ...]:
+    """:func:`_every_hook_call` writing into the buffer, then with a new tensor (``_written_into`` replaced, and
+    put back after), each from the same seed of the global generator, in one process."""
+    original = compression_hook._written_into
+    results = []
+    try:
+        for write_into_buffer in (True, False):
+            torch.manual_seed(0)
+            results.append(_every_hook_call(write_into_buffer))
+    finally:
+        compression_hook._written_into = original
+    return tuple(results)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_hook_writes_the_average_into_the_bucket_with_a_new_tensors_values():
-    into_buffer, new_tensor = (run_on_ranks(_every_hook_call, 1, args=(flag,))[0] for flag in (True, False))
+    into_buffer, new_tensor = run_on_ranks(_every_hook_call_both_ways, 1)[0]
     for name in METHODS:
         assert [is_buffer for is_buffer, _ in into_buffer[name]] == [True] * 3, name
         # a segmented method's hook writes every bucket into its buffer (it does not go through _written_into)

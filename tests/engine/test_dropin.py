@@ -1,5 +1,8 @@
 """gradcomm.DistributedDataParallel as a drop-in for torch 2.13's DDP: the class, the constructor's arguments,
-the torch internals frameworks reach for, exception types, pickling and sparse gradients, against torch's DDP."""
+the torch internals frameworks reach for, exception types, pickling and sparse gradients, against torch's DDP.
+
+The checks that need ranks run in one spawned group of 2 (``checked_on_ranks``, at the end); each test asserts
+on its own check's results."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import gradcomm
 from gradcomm.ddp.torch_compat import UnsupportedArgumentError, UnsupportedTorchMethodError
 from gradcomm.testing import run_on_ranks
 from tests.support.models import mlp
-from tests.support.ranks import error_text
+from tests.support.ranks import each_part, error_text, part_results
 from tests.support.training import flat_parameters
 
 
@@ -130,9 +133,9 @@ def _constructor_checks() -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_constructor_arguments_behave_as_torch() -> None:
-    out = run_on_ranks(_constructor_checks, world_size=2, timeout=150)[1]
+@pytest.mark.timeout(330)
+def test_constructor_arguments_behave_as_torch(checked_on_ranks: list[dict[str, Any]]) -> None:
+    out = part_results(checked_on_ranks, "_constructor_checks")[1]
     assert out["isinstance"]
     assert out["plain_warnings"] == []
     assert out["plain"] == (True, True, [1.0] * 4)  # buffers broadcast from rank 0 at construction
@@ -194,9 +197,9 @@ def _join_buffer_checks() -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_join_leaves_buffers_alone_when_buffer_sync_is_off_as_torch() -> None:
-    ranks = run_on_ranks(_join_buffer_checks, world_size=2, timeout=150)
+@pytest.mark.timeout(330)
+def test_join_leaves_buffers_alone_when_buffer_sync_is_off_as_torch(checked_on_ranks: list[dict[str, Any]]) -> None:
+    ranks = part_results(checked_on_ranks, "_join_buffer_checks")
     for rank, out in enumerate(ranks):
         for spelling in ("broadcast_buffers", "forward_sync_buffers"):
             ours, theirs = out[spelling, "gradcomm"], out[spelling, "torch"]
@@ -267,9 +270,9 @@ def _torch_surface_checks() -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_torch_internals_frameworks_use() -> None:
-    out = run_on_ranks(_torch_surface_checks, world_size=2, timeout=210)[0]
+@pytest.mark.timeout(330)
+def test_torch_internals_frameworks_use(checked_on_ranks: list[dict[str, Any]]) -> None:
+    out = part_results(checked_on_ranks, "_torch_surface_checks")[0]
     ours, theirs = out["static_grads"]
     assert [g is None for g in ours] == [g is None for g in theirs] == [False, False, True, True]
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True) if a is not None)
@@ -350,9 +353,9 @@ def _hook_error_checks() -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_hook_contract_errors_are_runtime_errors_with_gradcomm_messages() -> None:
-    out = run_on_ranks(_hook_error_checks, world_size=2, timeout=90)[0]
+@pytest.mark.timeout(330)
+def test_hook_contract_errors_are_runtime_errors_with_gradcomm_messages(checked_on_ranks: list[dict[str, Any]]) -> None:
+    out = part_results(checked_on_ranks, "_hook_error_checks")[0]
     assert out["returns_tensor_hook"].startswith(
         "CommHookTypeError: Communication hook _hook_error_checks.<locals>.returns_tensor_hook returned Tensor on "
         "bucket 0; it must return a torch.futures.Future"
@@ -389,11 +392,11 @@ def _pickle_checks() -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_pickling_drops_the_group_and_rebuilds_like_torch() -> None:
+@pytest.mark.timeout(330)
+def test_pickling_drops_the_group_and_rebuilds_like_torch(checked_on_ranks: list[dict[str, Any]]) -> None:
     import io
 
-    out = run_on_ranks(_pickle_checks, world_size=2, timeout=120)[0]
+    out = part_results(checked_on_ranks, "_pickle_checks")[0]
     assert out["hook_after"] == "default allreduce (no hook registered)"  # torch drops the hook too
     assert out["isinstance"] and out["same"]
     assert out["other_group"].startswith(
@@ -453,9 +456,9 @@ def _sparse_checks() -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
-def test_sparse_gradients_match_torch() -> None:
-    out = run_on_ranks(_sparse_checks, world_size=2, timeout=120)[1]
+@pytest.mark.timeout(330)
+def test_sparse_gradients_match_torch(checked_on_ranks: list[dict[str, Any]]) -> None:
+    out = part_results(checked_on_ranks, "_sparse_checks")[1]
     for hooked in (False, True):
         same_parameters, same_gradients, buckets = out[f"hooked={hooked}"]
         assert same_parameters and same_gradients, hooked
@@ -468,3 +471,20 @@ def test_parameters_to_ignore_are_refused() -> None:
     with pytest.raises(UnsupportedArgumentError, match=r"does not support parameters and buffers to ignore .* set "
                        r"requires_grad=False on parameters that must not be reduced"):
         gradcomm.DistributedDataParallel(module)
+
+
+# -- the 2-rank checks above, in one spawned group: those whose errors leave a DDP mid-step last ----------------
+RANK_CHECKS = (
+    _constructor_checks,
+    _join_buffer_checks,
+    _pickle_checks,
+    _sparse_checks,
+    _torch_surface_checks,
+    _hook_error_checks,
+)
+
+
+@pytest.fixture(scope="module")
+def checked_on_ranks() -> list[dict[str, Any]]:
+    parts = [(check.__name__, check, ()) for check in RANK_CHECKS]
+    return run_on_ranks(each_part, world_size=2, args=(parts,), timeout=300)

@@ -100,10 +100,12 @@ def _check_switching(results: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["gradcomm", "torch"])
-def test_decisions_agree_replicas_identical_and_link_changes_switch(kind: str) -> None:
-    _check_switching(run_on_ranks(_switching, 2, (kind,), timeout=200))
+def test_decisions_agree_replicas_identical_and_link_changes_switch(
+    two_ranks: list[dict[str, Any]], kind: str
+) -> None:
+    _check_switching([result["switching"][kind] for result in two_ranks])
 
 
 @pytest.mark.slow
@@ -173,10 +175,23 @@ def _bounded(candidates: str) -> dict[str, Any]:
     return {"choice": state.choice, "eligible": [row["eligible"] for row in state.decisions[-1]["candidates"]]}
 
 
+def _two_rank_cases(directory: str) -> dict[str, Any]:
+    """The 2-rank cases in one group: switching on each DDP kind, then resuming (a spawn costs more than a case)."""
+    return {"switching": {kind: _switching(kind) for kind in ("gradcomm", "torch")}, "resume": _resume(directory)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    directory = os.fspath(tmp_path_factory.mktemp("auto_resume") / "ckpt")
+    return run_on_ranks(_two_rank_cases, 2, (directory,), timeout=280)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_resume_continues_the_choice_without_a_new_trial_and_the_error_bound_excludes(tmp_path: Any) -> None:
-    for result in run_on_ranks(_resume, 2, (os.fspath(tmp_path / "ckpt"),), timeout=200):
+@pytest.mark.timeout(300)
+def test_resume_continues_the_choice_without_a_new_trial_and_the_error_bound_excludes(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    for result in (by_rank["resume"] for by_rank in two_ranks):
         assert result["chosen"].startswith("powersgd")
         assert result["loaded"] == (False, result["chosen"], STOP)
         assert result["probes_after_resume"] == 0 and result["same_decisions"]
@@ -197,14 +212,6 @@ def _one_rank() -> dict[str, Any]:
     for step in range(8):
         _step(ddp, optimizer, step)
     return {"link": state.link, "trialing": state.trialing, "decision": state.decisions[-1]}
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_one_rank_group_measures_compute_only() -> None:
-    (result,) = run_on_ranks(_one_rank, world_size=1, timeout=100)
-    assert result["link"] == Link(0.0, float("inf")) and not result["trialing"]
-    assert all(row["wire_bytes"] == 0 for row in result["decision"]["candidates"])
 
 
 def _estimated_and_true_errors(candidates: list[str]) -> list[tuple[float, float]]:
@@ -236,12 +243,32 @@ def _estimated_and_true_errors(candidates: list[str]) -> list[tuple[float, float
     return out
 
 
+def _one_rank_cases(candidates: list[str]) -> dict[str, Any]:
+    """The slow 1-rank cases in one process (a spawn costs more than a case)."""
+    return {"one rank": _one_rank(), "errors": _estimated_and_true_errors(candidates)}
+
+
+ERROR_CANDIDATES = ["signsgd", "topk"]
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> dict[str, Any]:
+    return run_on_ranks(_one_rank_cases, world_size=1, args=(ERROR_CANDIDATES,), timeout=150)[0]
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_sampled_error_estimates_the_error_of_every_element() -> None:
+@pytest.mark.timeout(180)
+def test_one_rank_group_measures_compute_only(one_rank: dict[str, Any]) -> None:
+    result = one_rank["one rank"]
+    assert result["link"] == Link(0.0, float("inf")) and not result["trialing"]
+    assert all(row["wire_bytes"] == 0 for row in result["decision"]["candidates"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_sampled_error_estimates_the_error_of_every_element(one_rank: dict[str, Any]) -> None:
     # Unweighted, the sample read 240 for signSGD's 723 and 0.76 for top-k's 0.92: biased towards exactness.
-    (results,) = run_on_ranks(_estimated_and_true_errors, world_size=1, args=(["signsgd", "topk"],), timeout=100)
-    for candidate, (estimated, true) in zip(["signsgd", "topk"], results, strict=True):
+    for candidate, (estimated, true) in zip(ERROR_CANDIDATES, one_rank["errors"], strict=True):
         assert true > 0.5, (candidate, true)  # lossy on this model: the comparison means something
         assert abs(estimated - true) <= 0.1 * true, f"{candidate}: auto estimated {estimated:.3g}, true {true:.3g}"
 

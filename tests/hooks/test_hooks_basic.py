@@ -4,7 +4,8 @@ One spawned group per world size trains the same small MLP for a few SGD steps o
 records every bucket each hook receives and returns, measures errors against the exact mean of the ranks'
 buckets, and reports them; the tests below, parametrized over the DDP kind, assert on those measurements.
 Both kinds share a group because spawning one costs more than everything it then runs; torch's DDP runs
-first, and a failure under one kind is reported by that kind's tests only.
+first, and a failure under one kind is reported by that kind's tests only. The quantization hooks' in-place
+mean is checked in the same groups, before the DDPs.
 
 Error bounds, per element of a bucket, with ``W`` ranks, local buckets ``g_r`` and ``m = mean_r |g_r|``:
 
@@ -329,16 +330,28 @@ def _check_all_hooks_per_kind(kinds: tuple[str, ...]) -> dict[str, dict[str, dic
     params=[pytest.param(n, marks=pytest.mark.slow) if n > 2 else n for n in WORLD_SIZES],
     ids=lambda world_size: f"{world_size}ranks",
 )
-def reports_per_kind(request: pytest.FixtureRequest) -> tuple[int, dict[str, dict[str, dict[str, Any]] | str]]:
+def reports_per_kind(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
+    """(world size, per rank: the hooks' measurements per DDP kind (rank 0's are asserted on) and the failures of
+    :func:`_quantization_hooks_against_plain_mean`)."""
     world_size = request.param
-    return world_size, run_on_ranks(_check_all_hooks_per_kind, world_size, args=(DDP_KINDS,), timeout=100)[0]
+    return world_size, run_on_ranks(_rank_reports, world_size, args=(DDP_KINDS,), timeout=100)
+
+
+def _rank_reports(kinds: tuple[str, ...]) -> dict[str, Any]:
+    """Everything this module checks on ranks, in the one group per world size."""
+    try:
+        quantization = _quantization_hooks_against_plain_mean()
+    except Exception:
+        quantization = [f"rank {dist.get_rank()}: {traceback.format_exc()}"]
+    return {"kinds": _check_all_hooks_per_kind(kinds), "quantization": quantization}
 
 
 @pytest.fixture(params=DDP_KINDS)
 def report(request: pytest.FixtureRequest, reports_per_kind) -> tuple[str, dict[str, dict[str, Any]]]:
     """(where, measurements per hook) for one DDP kind and world size."""
     kind = request.param
-    world_size, reports = reports_per_kind
+    world_size, by_rank = reports_per_kind
+    reports = by_rank[0]["kinds"]
     where = f"{kind} DDP, {world_size} ranks"
     if isinstance(reports[kind], str):
         pytest.fail(f"{where}: the rank function failed:\n{reports[kind]}", pytrace=False)
@@ -547,11 +560,12 @@ def _quantization_hooks_against_plain_mean() -> list[str]:
     return failures
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_quantization_hooks_compute_the_plain_mean_in_place():
+@pytest.mark.timeout(150)
+def test_quantization_hooks_compute_the_plain_mean_in_place(reports_per_kind):
     """The quantization hooks quantize in the bucket's memory (where it is float32 and needs no padding) and
-    sum into it; the mean must still be the plain computation's, bit for bit, on 2 ranks, for the dtypes and
-    sizes that take each path (one element, channels that divide the bucket or not, 16- and 64-bit buckets)."""
-    failures = [f for rank_failures in run_on_ranks(_quantization_hooks_against_plain_mean, 2, timeout=100) for f in rank_failures]
+    sum into it; the mean must still be the plain computation's, bit for bit, on 2 and 3 ranks, for the dtypes
+    and sizes that take each path (one element, channels that divide the bucket or not, 16- and 64-bit
+    buckets). Runs in the hooks' groups, before them."""
+    _, by_rank = reports_per_kind
+    failures = [failure for reports in by_rank for failure in reports["quantization"]]
     assert not failures, "\n".join(failures)

@@ -1,6 +1,6 @@
 """Post-local SGD and the periodic model averager: phases, agreement with torch, ranks kept identical.
 
-One spawned group per (DDP kind, world size) runs every scenario and returns per-step losses and
+One spawned group per world size runs every scenario on both DDP kinds and returns per-step losses and
 parameters; the assertions run here. Subgroups are given explicitly ([[0], [1]] at two ranks: local only;
 [[0, 1], [2]] at three) so the post-local phase differs from global averaging on one machine.
 """
@@ -110,7 +110,7 @@ def _reference(group_after, post_local: bool = True) -> dict:
     return out
 
 
-def _rank_post_local(kind: str, built_before_init: PostLocalSGDState) -> dict:
+def _rank_post_local_one_kind(kind: str, built_before_init: PostLocalSGDState) -> dict:
     world_size = dist.get_world_size()
     subgroup, _ = dist.new_subgroups_by_enumeration(SUBGROUPS[world_size])
     runs = {}
@@ -160,6 +160,11 @@ def _rank_post_local(kind: str, built_before_init: PostLocalSGDState) -> dict:
     return runs
 
 
+def _rank_post_local(built_before_init: dict[str, PostLocalSGDState]) -> dict[str, dict]:
+    """Every scenario on each DDP kind in turn, in one group (a spawn per kind cost more than its scenarios)."""
+    return {kind: _rank_post_local_one_kind(kind, built_before_init[kind]) for kind in DDP_KINDS}
+
+
 def _ranks_equal(run_by_rank: list[dict], ranks: list[int], step: int) -> bool:
     first = run_by_rank[ranks[0]]["params"][step]
     return all(np.array_equal(first, run_by_rank[r]["params"][step]) for r in ranks[1:])
@@ -175,14 +180,19 @@ def _assert_same_run(a: dict, b: dict, exact: bool) -> None:
         np.testing.assert_allclose(np.stack(a["params"]), np.stack(b["params"]), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("kind", DDP_KINDS)
-def test_post_local_sgd_phases_and_agreement_with_reference_hook(kind, world_size):
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}")
+def results_by_kind(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, dict]]]:
     assert not dist.is_initialized()
-    built_before_init = PostLocalSGDState(None, None, START)
-    results = run_on_ranks(_rank_post_local, world_size, args=(kind, built_before_init), timeout=110)
+    built_before_init = {kind: PostLocalSGDState(None, None, START) for kind in DDP_KINDS}
+    return request.param, run_on_ranks(_rank_post_local, request.param, args=(built_before_init,), timeout=170)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", DDP_KINDS)
+def test_post_local_sgd_phases_and_agreement_with_reference_hook(kind, results_by_kind):
+    world_size, by_rank = results_by_kind
+    results = [r[kind] for r in by_rank]
     runs = {name: [r[name] for r in results] for name in results[0]}
     everyone = list(range(world_size))
 

@@ -1,9 +1,10 @@
 """gradcomm under Hugging Face Accelerate 1.15 on 2 CPU ranks (gloo), for real: no mocks.
 
-Each spawned group runs ``GradcommAccelerator(cpu=True)`` inside :func:`gradcomm.testing.run_on_ranks`, whose
+The spawned group runs ``GradcommAccelerator(cpu=True)`` inside :func:`gradcomm.testing.run_on_ranks`, whose
 ranks already hold an initialised gloo process group and the ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
 ``MASTER_*`` variables; ``cpu=True`` with ``LOCAL_RANK`` set makes Accelerate's ``PartialState`` pick
-``MULTI_CPU`` with gloo and adopt that group. One group per DDP kind checks, against references driven by hand:
+``MULTI_CPU`` with gloo and adopt that group. One group checks, for each DDP kind, against references driven by
+hand:
 
 (a) every hook that torch's own fail with on gloo (bf16, both quantizations, batched PowerSGD; torch's
     PowerSGD too, once a model has several buckets: its callbacks launch collectives in different orders on
@@ -34,7 +35,7 @@ import gradcomm
 from gradcomm.hooks import default_hooks
 from gradcomm.testing import run_on_ranks
 from tests.support.models import HeadFirst
-from tests.support.ranks import error_text
+from tests.support.ranks import each_part, error_text, part_results
 from tests.support.training import flat_gradients, flat_parameters, random_batch
 
 pytest.importorskip("accelerate")
@@ -42,6 +43,7 @@ pytest.importorskip("accelerate")
 from gradcomm.integrations.accelerate import GradcommAccelerator, GradcommKwargs  # noqa: E402
 
 STEPS = 3
+RUN_TIMEOUT = 400  # the one spawned group: every part, on both DDP kinds
 POWERSGD = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}
 # hook name -> (options, tolerance of the first step's gradient to the exact mean, relative to its largest entry)
 HOOKS: dict[str, tuple[dict[str, Any], float]] = {
@@ -138,6 +140,7 @@ def _hooks_train(kind: str) -> dict[str, Any]:
 
 def _accumulate(kind: str) -> dict[str, Any]:
     """(b): two micro-batches per step; the hook runs only on the second."""
+    HOOK_CALLS[0] = 0  # counted from here: the process ran the other DDP kind's parts before
     accelerator = _accelerator(kind, counting_allreduce_hook, accumulation=2)
     model = accelerator.prepare(_model())
     optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -232,15 +235,15 @@ def _check_group(results: list[dict[str, Any]], kind: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_gradcomm_hooks_on_torch_ddp_under_accelerate() -> None:
-    _check_group(run_on_ranks(_accelerate_group, world_size=2, args=("torch",), timeout=220), "torch")
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_gradcomm_hooks_on_torch_ddp_under_accelerate(accelerate_ranks: list[dict[str, Any]]) -> None:
+    _check_group(part_results(accelerate_ranks, "torch group"), "torch")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_gradcomm_ddp_under_accelerate() -> None:
-    _check_group(run_on_ranks(_accelerate_group, world_size=2, args=("gradcomm",), timeout=220), "gradcomm")
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_gradcomm_ddp_under_accelerate(accelerate_ranks: list[dict[str, Any]]) -> None:
+    _check_group(part_results(accelerate_ranks, "gradcomm group"), "gradcomm")
 
 
 def _resume_run(kind: str, folder: str, steps: range, load: bool, save: bool) -> np.ndarray:
@@ -276,15 +279,27 @@ def _check_resume(results: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_save_state_resumes_powersgd_on_gradcomm_ddp(tmp_path: Any) -> None:
-    _check_resume(run_on_ranks(_resume, world_size=2, args=("gradcomm", str(tmp_path)), timeout=160))
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_save_state_resumes_powersgd_on_gradcomm_ddp(accelerate_ranks: list[dict[str, Any]]) -> None:
+    _check_resume(part_results(accelerate_ranks, "gradcomm resume"))
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_save_state_resumes_powersgd_on_torch_ddp(tmp_path: Any) -> None:
-    _check_resume(run_on_ranks(_resume, world_size=2, args=("torch", str(tmp_path)), timeout=160))
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_save_state_resumes_powersgd_on_torch_ddp(accelerate_ranks: list[dict[str, Any]]) -> None:
+    _check_resume(part_results(accelerate_ranks, "torch resume"))
+
+
+
+@pytest.fixture(scope="module")
+def accelerate_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """(a) to (c), then (e), for each DDP kind, in one spawned group (its start costs more than a part)."""
+    folder = tmp_path_factory.mktemp("accelerate")
+    parts = [
+        *((f"{kind} group", _accelerate_group, (kind,)) for kind in ("torch", "gradcomm")),
+        *((f"{kind} resume", _resume, (kind, str(folder / kind))) for kind in ("gradcomm", "torch")),
+    ]
+    return run_on_ranks(each_part, world_size=2, args=(parts,), timeout=RUN_TIMEOUT)
 
 
 def test_misuse_messages() -> None:

@@ -1,12 +1,15 @@
-"""Where the rank groups run, the DDP kinds one test body checks, and what a rank hands back to the parent."""
+"""Where the rank groups run, the DDP kinds one test body checks, what a rank hands back to the parent, and several
+tests' parts run in one spawned group."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -68,3 +71,30 @@ def error_text(fn: Callable[[], Any]) -> str:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+class Raised(str):
+    """The traceback of a part that raised on a rank (:func:`each_part`)."""
+
+
+def each_part(parts: Sequence[tuple[str, Callable[..., Any], Sequence[Any]]]) -> dict[str, Any]:
+    """Runs on a rank: each ``(name, fn, args)`` in turn, ``name -> fn(*args)``, a part that raises giving its
+    traceback (a :class:`Raised`) instead. Several tests then share one spawned group, whose start costs more
+    than most parts, and each still fails on its own part only (:func:`part_results`). Put the parts that may
+    leave a collective unmatched last."""
+    out: dict[str, Any] = {}
+    for name, fn, args in parts:
+        try:
+            out[name] = fn(*args)
+        except Exception:
+            out[name] = Raised(traceback.format_exc())
+    return out
+
+
+def part_results(by_rank: list[dict[str, Any]], name: str) -> list[Any]:
+    """Every rank's result of part ``name`` of :func:`each_part`; fails the test with the traceback of a rank
+    where the part raised."""
+    for rank, results in enumerate(by_rank):
+        if isinstance(results[name], Raised):
+            pytest.fail(f"{name} raised on rank {rank}:\n{results[name]}")
+    return [results[name] for results in by_rank]
