@@ -431,3 +431,28 @@ def test_bucket_layouts_are_torchs(sizes: list[tuple[int, bool]], limits: tuple[
     order = data.draw(st.permutations(range(len(tensors))))
     theirs, _ = dist._compute_bucket_assignment_by_size([tensors[i] for i in order], [first, cap], sparse, order)
     assert same(theirs, assign_buckets(tensors, order, first, cap))
+
+
+class _RecordsMarker(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.marked = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
+        return super().forward(x)
+
+
+def _forward_marker() -> dict[str, Any]:
+    loaded_before = "torch._dynamo" in sys.modules
+    ddp = gradcomm.DistributedDataParallel(_RecordsMarker(4, 2))
+    ddp(torch.ones(3, 4)).sum().backward()
+    return {
+        "dynamo_loaded": (loaded_before, "torch._dynamo" in sys.modules),
+        "marked_during_forward": ddp.module.marked is ddp,
+        "cleared_after": torch.nn.parallel.DistributedDataParallel._get_active_ddp_module() is None,
+    }
+
+
+@pytest.mark.timeout(120)
+def test_forward_marks_the_ddp_without_loading_dynamo() -> None:
+    """torch's marker of an active DDP forward is set for dynamo's DDPOptimizer, but a process that never
+    compiles does not pay for importing torch._dynamo (about 1.5 CPU-s) at its first forward."""
+    [out] = run_on_ranks(_forward_marker, world_size=1, timeout=100)
+    assert out == {"dynamo_loaded": (False, False), "marked_during_forward": True, "cleared_after": True}
