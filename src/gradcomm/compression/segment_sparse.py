@@ -1,8 +1,9 @@
 """Per-tensor budgets in a segmented bucket: ``k[s]`` elements of every segment (top-k, DGC, random-k).
 
-:func:`segment_topk` chooses every tensor's ``k`` largest magnitudes row-wise on strided runs of equal tensors
-(:class:`~gradcomm.compression.segments.Groups`) where they are few, else all at once on the bucket's
-:class:`~gradcomm.compression.segments.Chunks`: its calls are bounded whatever the tensors and their shapes.
+:func:`segment_topk` chooses every tensor's ``k`` largest magnitudes row-wise on a strided run of equal tensors
+(:class:`~gradcomm.compression.segments.Groups`) where they are one run, else all at once on the bucket's
+:class:`~gradcomm.compression.segments.Chunks` (in buffers kept per layout): its calls are bounded whatever the
+tensors and their shapes. Layouts that cut into no chunks (a tensor of odd length) go run by run.
 """
 
 from __future__ import annotations

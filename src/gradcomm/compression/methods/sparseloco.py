@@ -51,7 +51,7 @@ from gradcomm.compression.communicators import ALLGATHER
 from gradcomm.compression.memory import ResidualMemory
 from gradcomm.compression.segment_bits import decode_segments, pack_segments, packed_lengths
 from gradcomm.compression.segment_sparse import Budget
-from gradcomm.compression.segments import Segments, _block_sums, _sums, as_dtype
+from gradcomm.compression.segments import _BLOCK, Segments, _block_sums, as_dtype
 
 __all__ = ["SparseLoCo"]
 
@@ -180,6 +180,10 @@ class SparseLoCo(
         magnitudes = as_dtype(tops, work)  # |kept| in rows, zeros after each row's k
         if rows.unkept is not None:
             magnitudes.masked_fill_(rows.unkept, constants.zero)
+        if rows.blocked != rows.widest:  # zeros up to a multiple of 32: each row summed by blocks of 32
+            padded = magnitudes.new_zeros(magnitudes.shape[0], rows.blocked)
+            padded[:, : rows.widest] = magnitudes
+            magnitudes = padded
         split = rows.mean_abs(magnitudes, constants)
         big = torch.gt(magnitudes, split.view(-1, 1))  # never in the zeros after a row's k: split >= 0
         # each half's mean magnitude: overflow-safe means over the chunk, rescaled to the half's count; the
@@ -194,7 +198,7 @@ class SparseLoCo(
         scales = means.mul_(torch.div(constants.counts.view(-1, 1), constants.nonzero_or_one(in_half)))
         scales.clamp_(max=constants.largest)
         codes = torch.empty(kept.shape, dtype=torch.int64, device=kept.device).copy_(torch.lt(kept, constants.zero))
-        chosen_big = rows.kept(big)
+        chosen_big = rows.kept(big if rows.blocked == rows.widest else big[:, : rows.widest].contiguous())
         codes.bitwise_left_shift_(1).bitwise_or_(torch.empty_like(codes).copy_(chosen_big))
         payload = [*self._pack(local, codes, segments), scales.view(-1)]
         return payload, indices, as_dtype(self._values(codes, scales, rows.ids4), flat.dtype)
@@ -287,16 +291,18 @@ class _Rows:
         self.numel = segments.numel
         self.aligned = all(n == self.width for n in lengths)
         self.starts = torch.tensor(chunked.starts, dtype=torch.int64, device=device).unsqueeze(1)
-        column = torch.arange(self.width, device=device)
-        self.padding = None if self.aligned else column >= torch.tensor(lengths, device=device).unsqueeze(1)
+        self.column = torch.arange(self.width, device=device)
+        self.lengths = torch.tensor(lengths, dtype=torch.int64, device=device).unsqueeze(1)
         ks = budget.ks
         self.widest = max(ks)
         self.ks = torch.tensor(ks, dtype=torch.int64, device=device)
-        self.uniform = min(ks) == self.widest
+        self.blocked = -(-self.widest // _BLOCK) * _BLOCK
+        """The rows' width for their means: ``max(k)`` and zeros up to a multiple of 32."""
+        uniform = min(ks) == self.widest
         self.keep: torch.Tensor | None = None
         """Of each row's sorted top ``max(k)``, its first ``k`` (where budgets differ)."""
         self.unkept: torch.Tensor | None = None
-        if not self.uniform:
+        if not uniform:
             self.unkept = torch.arange(self.widest, device=device) >= self.ks.unsqueeze(1)
             self.keep = self.unkept.logical_not().reshape(-1).nonzero().squeeze(1)
         self.ids4 = budget.chosen.ids.mul(4)
@@ -310,7 +316,7 @@ class _Rows:
         padded = flat.new_empty(self.numel + self.width)  # room for the last row's padding
         torch.abs(flat, out=padded[: self.numel])
         rows = padded.unfold(0, self.width, 1).index_select(0, self.starts.view(-1))
-        return rows.masked_fill_(self.padding, -1)
+        return rows.masked_fill_(self.column >= self.lengths, -1)  # made per call: a mask kept is a byte per element
 
     def kept(self, per_place: torch.Tensor) -> torch.Tensor:
         """Of a ``(rows, max(k))`` tensor, each row's first ``k``, flat."""
@@ -343,13 +349,11 @@ class _Rows:
         return torch.where(chosen, means.view(-1, halves), scaled.view(-1, halves)).view(-1)
 
     def _means(self, values: torch.Tensor, halves: int) -> torch.Tensor:
-        """Each row's mean over its ``k``: where every row has ``max(k)``, the reduction of a run of equal
-        segments (:func:`~gradcomm.compression.segments._sums`: float32 sums of blocks of 32 added in
-        float64 where ``k`` is a multiple of 32); else float64 sums, of blocks where the rows allow."""
-        if self.uniform:
-            return _sums(values, "mean")
-        sums = _block_sums(values) if values.shape[1] % 32 == 0 else values.sum(dim=1, dtype=torch.float64)
-        means = sums.view(-1, halves).div_(self.counts64.view(-1, 1)).view(-1)
+        """Each row's mean over its ``k`` (``values`` zero after them, rows a multiple of 32 wide): float32 sums of
+        blocks of 32 added in float64 (:func:`~gradcomm.compression.segments._block_sums`, the reduction of a
+        run of equal segments where ``k`` is a multiple of 32), the same bits whatever the rows' width: a
+        chunk's scales do not depend on the bucket it is in."""
+        means = _block_sums(values).view(-1, halves).div_(self.counts64.view(-1, 1)).view(-1)
         return torch.empty(means.shape, dtype=values.dtype, device=values.device).copy_(means)
 
     @functools.cached_property
