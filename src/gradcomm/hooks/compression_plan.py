@@ -34,6 +34,10 @@ _MAX_GROUPS = 8
 """A part of a bucket in at most this many strided groups of runs is copied group by group (memory speed, a
 few calls per group); in more, by one gather with an index."""
 
+_SMALL_PART = 1 << 16
+"""A part of at most this many elements in more groups than one is copied by one gather with an index: its
+index costs less than a call per group (a bucket's biases and norms, between its weights)."""
+
 _KEPT_PIECES = 4
 """How many tensors' pieces a :class:`_Part` keeps (its workspace, a residual, a wire's slot)."""
 
@@ -51,7 +55,8 @@ class _Part:
     groups: tuple[tuple[int, int, int, int], ...]
     """``(count, length, stride, start)`` of each group of runs."""
     index: torch.Tensor | None
-    """Each element's place in the buffer, where there are more than :data:`_MAX_GROUPS` groups."""
+    """Each element's place in the buffer, where there are more than :data:`_MAX_GROUPS` groups, or more than
+    one and at most :data:`_SMALL_PART` elements."""
     _kept: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list, repr=False)
     """The pieces of tensors used every step (most recent first), made once."""
     _buffer_views: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list, repr=False)
@@ -85,7 +90,7 @@ class _Part:
             buffer.device,
         )
         index = None
-        if len(groups) > _MAX_GROUPS:
+        if len(groups) > _MAX_GROUPS or (len(groups) > 1 and segments.numel <= _SMALL_PART):
             index = torch.cat([torch.arange(starts[i], starts[i] + lengths[i], device=buffer.device) for i in order])
         return cls(segments, tuple(groups), index)
 

@@ -78,18 +78,31 @@ def top_magnitudes(flat: torch.Tensor, k: int) -> torch.Tensor:
 def sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
     """The indices of a flat boolean ``mask``'s true elements in ascending order, as ``mask.nonzero()``, faster
     where they are few: ``nonzero`` first finds the 8-byte words holding any (a scan of an eighth of the
-    elements), then searches those words alone: faster at low densities, slower at high ones."""
+    elements), then searches those words alone: faster at low densities, slower at high ones. The ``j``-th
+    word found, at word ``w``, holds bytes ``8 j ..`` of the words found and ``8 w ..`` of the mask."""
     length = mask.numel()
     head = length - length % 8
     if mask.storage_offset() % 8 or not mask.is_contiguous():
         mask = mask.clone()
-    all_words = mask[:head].view(torch.int64)
-    words = all_words.nonzero().squeeze(1)
-    found = all_words[words].view(torch.uint8).view(-1, 8).nonzero()  # whole words: faster than rows of 8
-    indices = words[found[:, 0]].mul_(8).add_(found[:, 1])
+    all_words = mask.view(torch.int64) if head == length else mask[:head].view(torch.int64)
+    words = all_words.nonzero().view(-1)
+    found = all_words.index_select(0, words).view(torch.bool).nonzero().view(-1)
+    shifts = words.sub_(_counting(words.numel(), words.device)).mul_(8)  # 8 (w - j) of each word found
+    indices = found.add_(shifts.index_select(0, found.div(8, rounding_mode="floor")))
     if head == length:
         return indices
     return torch.cat([indices, mask[head:].nonzero().squeeze(1).add_(head)])
+
+
+_COUNTING: dict[torch.device, torch.Tensor] = {}
+
+
+def _counting(count: int, device: torch.device) -> torch.Tensor:
+    """``arange(count)`` (int64), a view of one kept per device and grown as needed: read it only."""
+    counting = _COUNTING.get(device)
+    if counting is None or counting.numel() < count:
+        counting = _COUNTING[device] = torch.arange(max(2 * count, 1024), device=device)
+    return counting[:count]
 
 
 def random_subset(numel: int, k: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -125,7 +138,7 @@ def zeros_in(out: torch.Tensor | None, numel: int, dtype: torch.dtype, device: t
     """``numel`` zeros of ``dtype``, flat: ``out`` zeroed where it is contiguous with that size and dtype (a
     decoder's ``out``, the gradient's place in its bucket), else a new tensor."""
     if out is not None and out.is_contiguous() and out.numel() == numel and out.dtype == dtype:
-        return out.view(-1).zero_()
+        return (out if out.dim() == 1 else out.view(-1)).zero_()  # ``out`` itself where flat: a caller may keep it
     return torch.zeros(numel, dtype=dtype, device=device)
 
 

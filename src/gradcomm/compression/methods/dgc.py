@@ -89,6 +89,14 @@ class DGC(SparseSegments, name="dgc", summary="Deep Gradient Compression: moment
         """Number of coordinates sent of a tensor of ``numel`` elements."""
         return min(numel, max(1, math.ceil(self.ratio * numel)))
 
+    def _factor(self, like: torch.Tensor) -> torch.Tensor:
+        """The momentum as a 0-d tensor of ``like``'s dtype and device (cached): a Python number costs four more
+        torch calls (its conversion) every step, the same product."""
+        factor = self.__dict__.get("_momentum_tensor")
+        if factor is None or factor.dtype != like.dtype or factor.device != like.device:
+            factor = self.__dict__["_momentum_tensor"] = torch.tensor(self.momentum, dtype=like.dtype, device=like.device)
+        return factor
+
     def stream(self, key: Hashable) -> contextlib.AbstractContextManager[None]:
         """Scope in which :meth:`compress` reads and updates the buffers of the tensor ``key``: the context
         variable :class:`~gradcomm.compression.base.RandomizedCompressor` sets, so each thread sees its own."""
@@ -97,16 +105,34 @@ class DGC(SparseSegments, name="dgc", summary="Deep Gradient Compression: moment
     def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, torch.Tensor]:
         u = self._momentum.held_segments(segments, flat)
         v = self._accumulation.held_segments(segments, flat)
-        # Updated in place (a new bucket-sized tensor every step cost more than the arithmetic: fresh pages);
-        # state_dict() copies, so an earlier one keeps its values. A step that fails midway drops the
-        # bucket's buffers rather than keep half an update (as error feedback drops its residual).
+        # Updated in place (a new bucket-sized tensor every step cost more than the arithmetic: fresh pages),
+        # the two buffers the rows of one (2, n) tensor, so that one index_fill_ masks both; state_dict()
+        # copies, so an earlier one keeps its values. A step that fails midway drops the bucket's buffers
+        # rather than keep half an update (as error feedback drops its residual).
         try:
-            u = flat.clone() if self.momentum == 0 or u is None else u.mul_(self.momentum).add_(flat)
-            v = u.clone() if v is None else v.add_(u)
+            both = _rows_of_one(u, v)
+            if both is None:  # the first step, or buffers loaded: one (2, n) tensor from now on
+                both = torch.empty((2, flat.numel()), dtype=flat.dtype, device=flat.device)
+                if u is None or self.momentum == 0:
+                    both[0].copy_(flat)
+                else:
+                    both[0].copy_(u).mul_(self._factor(flat)).add_(flat)
+                if v is None:
+                    both[1].copy_(both[0])
+                else:
+                    both[1].copy_(v).add_(both[0])
+                u, v = both[0], both[1]
+            else:
+                if self.momentum == 0:
+                    u.copy_(flat)
+                else:
+                    u.mul_(self._factor(u)).add_(flat)
+                v.add_(u)
             indices = segment_topk(v, self.budget(segments))
             payload = self.payload(v, indices, segments)
-            self._momentum.store_segments(segments, u.index_fill_(0, indices, 0))
-            self._accumulation.store_segments(segments, v.index_fill_(0, indices, 0))
+            both.index_fill_(1, indices, 0)
+            self._momentum.store_segments(segments, u)
+            self._accumulation.store_segments(segments, v)
         except BaseException:
             self._momentum.discard_segments(segments)
             self._accumulation.discard_segments(segments)
@@ -136,3 +162,14 @@ class DGC(SparseSegments, name="dgc", summary="Deep Gradient Compression: moment
                 raise ValueError(f"DGC: the state of {key!r} must be two tensors of one shape")
         self._momentum.load_state_dict(momentum)
         self._accumulation.load_state_dict(accumulation)
+
+
+def _rows_of_one(u: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor | None:
+    """The ``(2, n)`` tensor whose rows ``u`` and ``v`` are, if they are (as :meth:`DGC.compress_segments`
+    keeps them)."""
+    base = None if u is None or v is None else u._base
+    if base is None or v._base is not base or base.dim() != 2 or base.shape[0] != 2 or not base.is_contiguous():
+        return None
+    if u.data_ptr() != base.data_ptr() or v.data_ptr() != base[1].data_ptr() or u.numel() != base.shape[1]:
+        return None
+    return base

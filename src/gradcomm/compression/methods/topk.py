@@ -44,11 +44,16 @@ class SparseSegments(SegmentedCompressor):
     def payload(self, flat: torch.Tensor, indices: torch.Tensor, segments: Segments) -> Payload:
         """The values of ``flat`` at ``indices`` (into ``flat``), and the indices within their tensors."""
         budget = self.budget(segments)
-        local = indices - budget.starts
-        return [flat.index_select(0, indices), as_dtype(local, index_dtype(max(segments.lengths)))]
+        local = torch.sub(indices, budget.starts)
+        dtype = index_dtype(max(segments.lengths))
+        if dtype != local.dtype:  # an empty tensor and copy_: two calls, where ``to`` is four
+            local = torch.empty(local.shape, dtype=dtype, device=local.device).copy_(local)
+        return [flat.index_select(0, indices), local]
 
     def _indices(self, local: torch.Tensor, segments: Segments) -> torch.Tensor:
-        return as_dtype(local, torch.int64).add(self.budget(segments).starts)
+        """Indices into the flat tensor of a payload's ``local`` ones, in their dtype (int32 or int64:
+        ``index_put_`` and ``index_add_`` take either)."""
+        return torch.add(local, self.budget(segments).starts_as(local.dtype))
 
     def decompress_segments(
         self, payload: Payload, ctx: torch.Tensor, segments: Segments, out: torch.Tensor | None = None
@@ -60,14 +65,20 @@ class SparseSegments(SegmentedCompressor):
     def aggregate_segments(
         self, gathered: Payload, ctx: torch.Tensor, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The mean over ranks, summed in rank order (indices are distinct within a rank: deterministic)."""
+        """The mean over ranks, summed in rank order (indices are distinct within a rank: deterministic). On
+        the CPU one ``index_add_`` of all ranks' values, which adds them in order (rank after rank); on an
+        accelerator, whose ``index_add_`` adds in no set order, one per rank."""
         values, local = gathered
         world_size = values.shape[0]
         total = zeros_in(out, segments.numel, segments.dtype, values.device)
-        starts = self.budget(segments).starts
-        indices = as_dtype(local, torch.int64).add(starts)
+        indices = self._indices(local, segments)
+        values = as_dtype(values, segments.dtype)
+        if world_size > 1:
+            values = values.div(world_size)
+        if values.device.type == "cpu":
+            return total.index_add_(0, indices.view(-1), values.view(-1))
         for rank in range(world_size):
-            total.index_add_(0, indices[rank], values[rank] / world_size)
+            total.index_add_(0, indices[rank], values[rank])
         return total
 
     def residual_segments(
