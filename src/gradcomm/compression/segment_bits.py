@@ -20,10 +20,15 @@ from gradcomm.compression._numerics import (
     unpack_bits,
     work_dtype,
 )
+from gradcomm.compression.segment_stats import Matrix, constant
 from gradcomm.compression.segments import Segments, _ids, _placement, as_dtype
 
 __all__ = [
+    "byte_table",
+    "decode_scaled_signs",
     "decode_segments",
+    "encode_scaled_signs",
+    "not_negative",
     "pack_scaled_signs",
     "pack_segments",
     "packed_lengths",
@@ -56,14 +61,40 @@ def scaled_signs_layout(lengths: Sequence[int], dtype: torch.dtype) -> list[tupl
 
 def pack_scaled_signs(flat: torch.Tensor, segments: Segments, scales: torch.Tensor) -> list[torch.Tensor]:
     """Each segment's signs (zeros as ``+``) packed one bit each, and its scale: ``sign(x) * scale``."""
-    not_negative = torch.ge(flat, 0, out=torch.empty(flat.shape, dtype=torch.int8, device=flat.device))
-    return [pack_segments(not_negative.view(torch.uint8), segments, 1), scales]
+    return encode_scaled_signs(flat, segments, scales)[0]
+
+
+def encode_scaled_signs(
+    flat: torch.Tensor, segments: Segments, scales: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """:func:`pack_scaled_signs`, and the signs as computed (bool, :func:`not_negative`), for
+    :func:`decode_scaled_signs`."""
+    signs = not_negative(flat)
+    return [pack_segments(signs.view(torch.uint8), segments, 1), scales], signs
+
+
+def decode_scaled_signs(signs: torch.Tensor, scales: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """:func:`unpack_scaled_signs` of a payload from its signs before packing (:func:`pack_scaled_signs`),
+    the same values: ``+scale`` where set, ``-scale`` elsewhere, by one selection on the segments'
+    :class:`~gradcomm.compression.segment_stats.Matrix` (a decoding where they have none)."""
+    matrix = Matrix.of(segments)
+    values = as_dtype(scales, segments.dtype)
+    if matrix is None:
+        return unpack_scaled_signs([pack_segments(signs.view(torch.uint8), segments, 1), scales], segments)
+    column = matrix.column(values)
+    return torch.where(matrix.view(signs), column, torch.neg(column)).view(-1)
+
+
+def not_negative(flat: torch.Tensor) -> torch.Tensor:
+    """Where ``flat >= 0`` (its sign bits: zeros count as ``+``, NaN as ``-``), as bool: one call (a Python 0,
+    or an ``out=`` of int8, costs several)."""
+    return torch.ge(flat, constant(0, flat.dtype, flat.device))
 
 
 def unpack_scaled_signs(payload: Sequence[torch.Tensor], segments: Segments) -> torch.Tensor:
     """Inverse of :func:`pack_scaled_signs`: ``±scale`` of its segment for every coordinate."""
     bits, scales = payload
-    tables = as_dtype(sign_values(scales.dtype, scales.device) * scales.unsqueeze(1), segments.dtype)
+    tables = as_dtype(torch.mul(sign_values(scales.dtype, scales.device), scales.view(-1, 1)), segments.dtype)
     return decode_segments(bits, segments, 1, tables)
 
 
@@ -74,7 +105,7 @@ def decode_segments(packed: torch.Tensor, segments: Segments, bits: int, tables:
     if bits == 8:  # a byte is a code, and segments are not padded
         if per_segment:
             return _decode_by_segment(packed, 8, tables, _byte_offsets(segments, 8))
-        return decode_bits(packed, 8, segments.numel, tables.reshape(-1))
+        return _decode_one_table(packed, byte_table(tables, 8), segments.numel)
     padded = segments.padded(8)
     if not padded.aligned:  # each segment's bytes at a multiple of 8 codes
         bytes_ = packed.new_zeros(padded.numel * bits // 8).index_copy_(0, _kept_bytes(segments, bits), packed)
@@ -84,23 +115,38 @@ def decode_segments(packed: torch.Tensor, segments: Segments, bits: int, tables:
         codes = unpack_bits(bytes_, bits, padded.numel).to(torch.int64)
         decoded = tables.reshape(-1).index_select(0, codes)
     elif not per_segment:
-        decoded = decode_bits(bytes_, bits, padded.numel, tables.reshape(-1))
+        decoded = _decode_one_table(bytes_, byte_table(tables, bits), padded.numel)
     else:
         decoded = _decode_by_segment(bytes_, bits, tables, _byte_offsets(segments, bits))
-    return padded.unpad(decoded)
+    return decoded if padded.aligned and decoded.numel() == segments.numel else padded.unpad(decoded)
+
+
+def _decode_one_table(packed: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` values of 1-D ``packed`` bytes looked up in one :func:`byte_table`."""
+    rows = torch.empty(packed.shape, dtype=torch.int32, device=packed.device).copy_(packed)
+    decoded = gather_rows(table, rows).view(-1)
+    return decoded if decoded.numel() == length else decoded[:length]
 
 
 def _decode_by_segment(packed: torch.Tensor, bits: int, tables: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``decode_bits`` with one table per segment: a byte ``b`` of segment ``s`` reads row ``256 s + b``
     (``offsets``: ``256 s`` in int32, one per byte, or a column of one per chunk of bytes)."""
-    codes_per_byte = 8 // bits
-    patterns = _byte_patterns(bits, packed.device)
-    table = tables[:, patterns].reshape(-1, codes_per_byte) if bits < 8 else tables.reshape(-1, 1)
+    table = byte_table(tables, bits)
+    rows = torch.empty(packed.shape, dtype=torch.int32, device=packed.device).copy_(packed)
     if offsets.dim() == 2:
-        rows = packed.view(offsets.shape[0], -1).to(torch.int32).add_(offsets).view(-1)
+        rows.view(offsets.shape[0], -1).add_(offsets)
     else:
-        rows = packed.to(torch.int32).add_(offsets)
-    return gather_rows(table, rows).reshape(-1)
+        rows.add_(offsets)
+    return gather_rows(table, rows).view(-1)
+
+
+def byte_table(tables: torch.Tensor, bits: int) -> torch.Tensor:
+    """Of ``tables`` (one row of ``2**bits`` code values per segment, or one row), the values of every byte's
+    ``8 // bits`` codes: row ``256 s + b`` for byte ``b`` of segment ``s`` (:func:`_decode_by_segment`)."""
+    if bits == 8:
+        return tables.reshape(-1, 1)
+    patterns = _byte_patterns(bits, tables.device).view(-1)
+    return tables.reshape(-1, 2**bits).index_select(1, patterns).view(-1, 8 // bits)
 
 
 @functools.lru_cache(maxsize=16)
