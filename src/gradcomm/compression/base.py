@@ -290,8 +290,11 @@ class SegmentedCompressor(Compressor):
         """The mean over ranks (leading axis of ``gathered``), summed in rank order (as :meth:`aggregate`). On
         one rank, this rank's own decoding where its encoding kept one (:class:`OwnDecoding`)."""
         world_size = gathered[0].shape[0]
-        if world_size == 1 and isinstance(ctx, OwnDecoding) and ctx.decoded is not None:
-            return ctx.decoded
+        if world_size == 1:
+            if isinstance(ctx, OwnDecoding) and ctx.decoded is not None:
+                return ctx.decoded
+            own = [part.view(-1) if part.is_contiguous() else part[0] for part in gathered]
+            return self.decompress_segments(own, ctx, segments)
         return ordered_mean(
             (self.decompress_segments([p[rank] for p in gathered], ctx, segments) for rank in range(world_size)),
             world_size,
@@ -375,7 +378,7 @@ class RandomizedCompressor(Compressor):
             self._draws[key] = count + 1
             digest = hashlib.blake2b(repr(("segments", self.seed, rank, key, count)).encode(), digest_size=8)
             seeds.append(seed_of(digest.digest()))
-        return torch.tensor(seeds, dtype=torch.int64, device=segments.device)
+        return torch.as_tensor(seeds, dtype=torch.int64, device=segments.device)
 
     def state_dict(self) -> dict[str, Any]:
         return {"draws": dict(self._draws)}

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 import torch
 
 from gradcomm.compression._numerics import (
-    decode_bits,
     gather_rows,
     pack_bits,
     sign_values,
@@ -28,6 +27,7 @@ __all__ = [
     "decode_scaled_signs",
     "decode_segments",
     "encode_scaled_signs",
+    "lookup_bytes",
     "not_negative",
     "pack_scaled_signs",
     "pack_segments",
@@ -105,7 +105,7 @@ def decode_segments(packed: torch.Tensor, segments: Segments, bits: int, tables:
     if bits == 8:  # a byte is a code, and segments are not padded
         if per_segment:
             return _decode_by_segment(packed, 8, tables, _byte_offsets(segments, 8))
-        return _decode_one_table(packed, byte_table(tables, 8), segments.numel)
+        return lookup_bytes(packed, byte_table(tables, 8), segments.numel)
     padded = segments.padded(8)
     if not padded.aligned:  # each segment's bytes at a multiple of 8 codes
         bytes_ = packed.new_zeros(padded.numel * bits // 8).index_copy_(0, _kept_bytes(segments, bits), packed)
@@ -115,14 +115,14 @@ def decode_segments(packed: torch.Tensor, segments: Segments, bits: int, tables:
         codes = unpack_bits(bytes_, bits, padded.numel).to(torch.int64)
         decoded = tables.reshape(-1).index_select(0, codes)
     elif not per_segment:
-        decoded = _decode_one_table(bytes_, byte_table(tables, bits), padded.numel)
+        decoded = lookup_bytes(bytes_, byte_table(tables, bits), padded.numel)
     else:
         decoded = _decode_by_segment(bytes_, bits, tables, _byte_offsets(segments, bits))
     return decoded if padded.aligned and decoded.numel() == segments.numel else padded.unpad(decoded)
 
 
-def _decode_one_table(packed: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` values of 1-D ``packed`` bytes looked up in one :func:`byte_table`."""
+def lookup_bytes(packed: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` values of the codes in 1-D ``packed`` bytes, looked up in one :func:`byte_table`."""
     rows = torch.empty(packed.shape, dtype=torch.int32, device=packed.device).copy_(packed)
     decoded = gather_rows(table, rows).view(-1)
     return decoded if decoded.numel() == length else decoded[:length]
@@ -145,8 +145,14 @@ def byte_table(tables: torch.Tensor, bits: int) -> torch.Tensor:
     ``8 // bits`` codes: row ``256 s + b`` for byte ``b`` of segment ``s`` (:func:`_decode_by_segment`)."""
     if bits == 8:
         return tables.reshape(-1, 1)
-    patterns = _byte_patterns(bits, tables.device).view(-1)
-    return tables.reshape(-1, 2**bits).index_select(1, patterns).view(-1, 8 // bits)
+    rows = tables if tables.dim() == 2 else tables.view(1, -1)
+    return rows.index_select(1, _flat_patterns(bits, tables.device)).view(-1, 8 // bits)
+
+
+@functools.lru_cache(maxsize=16)
+def _flat_patterns(bits: int, device: torch.device) -> torch.Tensor:
+    """:func:`_byte_patterns`, flat: the codes of byte 0, then of byte 1, ..."""
+    return _byte_patterns(bits, device).reshape(-1)
 
 
 @functools.lru_cache(maxsize=16)

@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from gradcomm.compression._numerics import as_uint8, decode_bits, nonzero_or_one, work_dtype
+from gradcomm.compression._numerics import as_uint8, decode_bits, work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedRowwiseCompressor
 from gradcomm.compression.segment_bits import decode_segments
+from gradcomm.compression.segment_stats import Matrix, constant
 from gradcomm.compression.segments import Segments, as_dtype, segment_reduce
 from gradcomm.compression.two_stage import TwoStageAllreduce
 
@@ -44,35 +45,32 @@ class ByteGrad(
 
     def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
         work = as_dtype(flat, work_dtype(flat.dtype))
-        low = segment_reduce(work, "min", segments)
-        high = segment_reduce(work, "max", segments)
-        # Each segment is scaled by a power of two (exactly) where its range would not do: halved where the
-        # range overflows (max - min beyond the dtype's largest value), times 2**64 where it is so small
-        # (subnormal, say) that 255 / range would overflow. The codes of the scaled segment are the segment's.
-        span = high - low
-        scale = torch.where(torch.isfinite(span), torch.where(span < 2.0**-60, 2.0**64, 1.0), 0.5).to(work.dtype)
-        span = high * scale - low * scale
-        steps_per_unit = torch.where(span > 0, _LEVELS / nonzero_or_one(span), 0.0)  # a constant row: all code 0
-        # The code is the position (x - low) / (high - low) times 255, rounded half up: + 1/2, then truncated by
-        # the integer conversion. x - low is in [0, high - low] (rounding is monotonic), so the code is in
-        # [0, 255] (the product passes 255 by an ulp or two at most).
-        codes = segments.groups.rowwise(
-            lambda rows, s, low_scaled, steps: as_uint8((rows * s).sub_(low_scaled).mul_(steps).add_(0.5)),
-            [work],
-            [scale, low * scale, steps_per_unit],
-            torch.empty(work.shape, dtype=torch.uint8, device=work.device),
-        )
+        matrix = Matrix.of(segments)
+        if matrix is None:
+            low, high = segment_reduce(work, "min", segments), segment_reduce(work, "max", segments)
+        else:
+            low, high = matrix.extreme(work, "min"), matrix.extreme(work, "max")
+        scale, low_scaled, steps_per_unit = _steps(low, high)
+        if matrix is None:
+            codes = segments.groups.rowwise(
+                _codes, [work], [scale, low_scaled, steps_per_unit],
+                torch.empty(work.shape, dtype=torch.uint8, device=work.device),
+            )
+        else:
+            columns = (matrix.column(scale), matrix.column(low_scaled), matrix.column(steps_per_unit))
+            codes = _codes(matrix.view(work), *columns).view(-1)
         return [codes, low, high], None
 
     def decompress_segments(
         self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         codes, low, high = payload
-        position = _positions(low.dtype, low.device)
+        position, complement = _positions(low.dtype, low.device)
         # a convex combination (it cannot overflow) of each segment's 256 code values, then one lookup per code
-        values = as_dtype(low.unsqueeze(1) * (1 - position) + high.unsqueeze(1) * position, segments.dtype)
+        values = torch.mul(low.view(-1, 1), complement).add_(torch.mul(high.view(-1, 1), position))
+        values = as_dtype(values, segments.dtype)
         groups = segments.groups
-        if len(segments) == 1 or segments.chunks is not None or len(groups.runs) > 16:
+        if Matrix.of(segments) is not None or len(groups.runs) > 16:
             return decode_segments(codes, segments, 8, values)
         out = torch.empty(segments.numel, dtype=segments.dtype, device=codes.device)
         tables = groups.per_run(values)
@@ -81,8 +79,36 @@ class ByteGrad(
         return out
 
 
+def _steps(low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per segment: the power of two it is scaled by, its minimum scaled, and code steps per unit of the scaled
+    segment. Each segment is scaled by a power of two (exactly) where its range would not do: halved where the
+    range overflows (max - min beyond the dtype's largest value, or NaN), times 2**64 where it is so small
+    (subnormal, say) that 255 / range would overflow. The codes of the scaled segment are the segment's."""
+    dtype, device = low.dtype, low.device
+    span = torch.sub(high, low)
+    small = torch.where(torch.lt(span, constant(2.0**-60, dtype, device)), constant(2.0**64, dtype, device),
+                        constant(1.0, dtype, device))
+    scale = torch.where(torch.le(span, constant(torch.finfo(dtype).max, dtype, device)), small,
+                        constant(0.5, dtype, device))
+    low_scaled = torch.mul(low, scale)
+    span = torch.mul(high, scale).sub_(low_scaled)
+    # 255 / span (as torch divides a number: 1 / span times 255); a constant segment: all code 0
+    per_unit = torch.reciprocal(span).mul_(constant(float(_LEVELS), dtype, device))
+    zero = constant(0.0, dtype, device)
+    return scale, low_scaled, torch.where(torch.gt(span, zero), per_unit, zero)
+
+
+def _codes(rows: torch.Tensor, scale: torch.Tensor, low_scaled: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """The code is the position (x - low) / (high - low) times 255, rounded half up: + 1/2, then truncated by the
+    integer conversion. x - low is in [0, high - low] (rounding is monotonic), so the code is in [0, 255] (the
+    product passes 255 by an ulp or two at most)."""
+    half = constant(0.5, rows.dtype, rows.device)
+    return as_uint8(torch.mul(rows, scale).sub_(low_scaled).mul_(steps).add_(half))
+
+
 @functools.lru_cache(maxsize=16)
-def _positions(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Code ``c``'s place between a row's minimum and maximum, ``c / 255``. Made once per dtype and device and
-    shared: read it, never write it."""
-    return torch.arange(_LEVELS + 1, dtype=dtype, device=device) / _LEVELS
+def _positions(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Code ``c``'s place between a row's minimum and maximum, ``c / 255``, and ``1 -`` that. Made once per dtype
+    and device and shared: read them, never write them."""
+    position = torch.arange(_LEVELS + 1, dtype=dtype, device=device) / _LEVELS
+    return position, 1 - position
