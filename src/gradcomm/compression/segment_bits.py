@@ -13,12 +13,12 @@ from collections.abc import Sequence
 import torch
 
 from gradcomm.compression._numerics import (
-    gather_rows,
     pack_bits,
     sign_values,
     unpack_bits,
     work_dtype,
 )
+from gradcomm.compression._numerics.bits import _ROW_DTYPES
 from gradcomm.compression.segment_stats import Matrix, constant
 from gradcomm.compression.segments import Segments, _ids, _placement, as_dtype
 
@@ -124,7 +124,7 @@ def decode_segments(packed: torch.Tensor, segments: Segments, bits: int, tables:
 def lookup_bytes(packed: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` values of the codes in 1-D ``packed`` bytes, looked up in one :func:`byte_table`."""
     rows = torch.empty(packed.shape, dtype=torch.int32, device=packed.device).copy_(packed)
-    decoded = gather_rows(table, rows).view(-1)
+    decoded = _looked_up(table, rows)
     return decoded if decoded.numel() == length else decoded[:length]
 
 
@@ -137,14 +137,24 @@ def _decode_by_segment(packed: torch.Tensor, bits: int, tables: torch.Tensor, of
         rows.view(offsets.shape[0], -1).add_(offsets)
     else:
         rows.add_(offsets)
-    return gather_rows(table, rows).view(-1)
+    return _looked_up(table, rows)
+
+
+def _looked_up(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of a :func:`byte_table`, flat: a table of one value per byte is a flat lookup."""
+    if table.shape[1] == 1:
+        return table.view(-1).index_select(0, rows)
+    row_dtype = _ROW_DTYPES.get(table.shape[1] * table.element_size())
+    if row_dtype is None or not table.is_contiguous():
+        return table.index_select(0, rows).view(-1)
+    return table.view(row_dtype).view(-1).index_select(0, rows).view(table.dtype)  # a row as one element
 
 
 def byte_table(tables: torch.Tensor, bits: int) -> torch.Tensor:
     """Of ``tables`` (one row of ``2**bits`` code values per segment, or one row), the values of every byte's
     ``8 // bits`` codes: row ``256 s + b`` for byte ``b`` of segment ``s`` (:func:`_decode_by_segment`)."""
     if bits == 8:
-        return tables.reshape(-1, 1)
+        return tables.view(-1, 1) if tables.is_contiguous() else tables.reshape(-1, 1)
     rows = tables if tables.dim() == 2 else tables.view(1, -1)
     return rows.index_select(1, _flat_patterns(bits, tables.device)).view(-1, 8 // bits)
 

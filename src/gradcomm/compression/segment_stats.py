@@ -72,6 +72,11 @@ class Matrix:
             return Matrix(segments, len(segments), runs[0][0], None)
         return None
 
+    @functools.cached_property
+    def _zeros(self) -> torch.Tensor:
+        """float64 zeros, one per segment, that chunks' sums are added to (out of place): read, never written."""
+        return torch.zeros(len(self.segments), dtype=torch.float64, device=self.segments.device)
+
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         """Contiguous flat ``flat`` as the ``(rows, length)`` matrix."""
         return flat.view(self.rows, self.length)
@@ -115,8 +120,7 @@ class Matrix:
         if self.ids is None:
             sums.div_(constant(float(length), torch.float64, device))
         else:
-            total = torch.empty(len(self.segments), dtype=torch.float64, device=device).zero_()
-            sums = total.index_add_(0, self.ids, sums).div_(_lengths(self.segments))
+            sums = torch.index_add(self._zeros, 0, self.ids, sums).div_(_lengths(self.segments))
         if flat.dtype == torch.float64:
             return sums
         return torch.empty(sums.shape, dtype=flat.dtype, device=device).copy_(sums)
