@@ -78,8 +78,8 @@ class Matrix:
         return torch.zeros(len(self.segments), dtype=torch.float64, device=self.segments.device)
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
-        """Contiguous flat ``flat`` as the ``(rows, length)`` matrix."""
-        return flat.view(self.rows, self.length)
+        """Contiguous flat ``flat`` as the ``(rows, length)`` matrix (the matrix itself where it is one)."""
+        return flat if flat.dim() == 2 else flat.view(self.rows, self.length)
 
     def column(self, per_segment: torch.Tensor) -> torch.Tensor:
         """Each row's segment's value of flat ``per_segment``, as a ``(rows, 1)`` column."""
@@ -95,7 +95,8 @@ class Matrix:
         return out.scatter_reduce_(0, self.ids, partial, reduce, include_self=False)
 
     def absmax(self, flat: torch.Tensor) -> torch.Tensor:
-        """Each segment's largest magnitude (NaN where it has one)."""
+        """Each segment's largest magnitude (NaN where it has one); ``flat`` may be its :meth:`view` already,
+        as for the other statistics."""
         rows = torch.linalg.vector_norm(self.view(flat), float("inf"), dim=1)
         return self._by_segment(rows, "amax")
 
@@ -199,10 +200,10 @@ def segment_rms(x: torch.Tensor, segments: Segments) -> torch.Tensor:
 
 def segment_std(x: torch.Tensor, segments: Segments, peak: torch.Tensor) -> torch.Tensor:
     """Each segment's population standard deviation without overflow, as ``safe_std`` (``peak``: each
-    segment's largest magnitude)."""
+    segment's largest magnitude); ``x`` flat, or the :class:`Matrix` view of it where the segments have one."""
     matrix = Matrix.of(segments)
     if matrix is not None:
-        return _matrix_std(matrix, x.contiguous(), peak)
+        return _matrix_std(matrix, x if x.dim() == 2 else x.contiguous(), peak)
     groups = segments.groups
     scaled = groups.rowwise_into(
         lambda target, rows, p: torch.div(rows, p, out=target), [x], [nonzero_or_one(peak)], torch.empty_like(x)
@@ -215,10 +216,9 @@ def segment_std(x: torch.Tensor, segments: Segments, peak: torch.Tensor) -> torc
 
 
 def _matrix_std(matrix: Matrix, x: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
-    """:func:`segment_std` on a :class:`Matrix`, the same bits. A zero peak is a segment of zeros: any nonzero
+    """:func:`segment_std` on a :class:`Matrix` (``x`` flat or its view), the same bits. A zero peak is a segment of zeros: any nonzero
     divisor gives its zeros (``nonzero_or_one``'s 1 or the smallest positive number alike)."""
     tiny = constant(smallest_positive(peak.dtype), peak.dtype, peak.device)
     scaled = torch.div(matrix.view(x), matrix.column(torch.clamp_min(peak, tiny)))
-    mean = matrix.mean(scaled.view(-1))
-    centred = scaled.sub_(matrix.column(mean))
-    return peak * matrix.mean(centred.mul_(centred).view(-1)).sqrt_()
+    centred = scaled.sub_(matrix.column(matrix.mean(scaled)))
+    return peak * matrix.mean(centred.mul_(centred)).sqrt_()

@@ -49,16 +49,22 @@ class ByteGrad(
         if matrix is None:
             low, high = segment_reduce(work, "min", segments), segment_reduce(work, "max", segments)
         else:
-            low, high = matrix.extreme(work, "min"), matrix.extreme(work, "max")
+            rows = matrix.view(work)
+            low, high = matrix.extreme(rows, "min"), matrix.extreme(rows, "max")
         scale, low_scaled, steps_per_unit = _steps(low, high)
         if matrix is None:
+            per_segment = [low_scaled, steps_per_unit] if scale is None else [scale, low_scaled, steps_per_unit]
             codes = segments.groups.rowwise(
-                _codes, [work], [scale, low_scaled, steps_per_unit],
+                _codes if scale is not None else lambda rows, low, steps: _codes(rows, None, low, steps),
+                [work],
+                per_segment,
                 torch.empty(work.shape, dtype=torch.uint8, device=work.device),
             )
+        elif scale is None:
+            codes = _codes(rows, None, matrix.column(low_scaled), matrix.column(steps_per_unit)).view(-1)
         else:
             columns = (matrix.column(scale), matrix.column(low_scaled), matrix.column(steps_per_unit))
-            codes = _codes(matrix.view(work), *columns).view(-1)
+            codes = _codes(rows, *columns).view(-1)
         return [codes, low, high], None
 
     def decompress_segments(
@@ -79,31 +85,36 @@ class ByteGrad(
         return out
 
 
-def _steps(low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _steps(low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Per segment: the power of two it is scaled by, its minimum scaled, and code steps per unit of the scaled
     segment. Each segment is scaled by a power of two (exactly) where its range would not do: halved where the
     range overflows (max - min beyond the dtype's largest value, or NaN), times 2**64 where it is so small
-    (subnormal, say) that 255 / range would overflow. The codes of the scaled segment are the segment's."""
+    (subnormal, zero) that 255 / range would overflow. The codes of the scaled segment are the segment's.
+    On the CPU, where every range is fine (checked on the host), no scale at all (``None``): the same codes."""
     dtype, device = low.dtype, low.device
     span = torch.sub(high, low)
-    small = torch.where(torch.lt(span, constant(2.0**-60, dtype, device)), constant(2.0**64, dtype, device),
-                        constant(1.0, dtype, device))
-    scale = torch.where(torch.le(span, constant(torch.finfo(dtype).max, dtype, device)), small,
-                        constant(0.5, dtype, device))
+    levels = constant(float(_LEVELS), dtype, device)
+    small_span, large_span = constant(2.0**-60, dtype, device), constant(torch.finfo(dtype).max, dtype, device)
+    if device.type == "cpu" and torch.equal(torch.clamp(span, min=small_span, max=large_span), span):
+        return None, low, torch.reciprocal(span).mul_(levels)  # 255 / span, as torch divides a number
+    small = torch.where(torch.lt(span, small_span), constant(2.0**64, dtype, device), constant(1.0, dtype, device))
+    scale = torch.where(torch.le(span, large_span), small, constant(0.5, dtype, device))
     low_scaled = torch.mul(low, scale)
     span = torch.mul(high, scale).sub_(low_scaled)
-    # 255 / span (as torch divides a number: 1 / span times 255); a constant segment: all code 0
-    per_unit = torch.reciprocal(span).mul_(constant(float(_LEVELS), dtype, device))
+    per_unit = torch.reciprocal(span).mul_(levels)  # a constant segment: all code 0
     zero = constant(0.0, dtype, device)
     return scale, low_scaled, torch.where(torch.gt(span, zero), per_unit, zero)
 
 
-def _codes(rows: torch.Tensor, scale: torch.Tensor, low_scaled: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+def _codes(
+    rows: torch.Tensor, scale: torch.Tensor | None, low_scaled: torch.Tensor, steps: torch.Tensor
+) -> torch.Tensor:
     """The code is the position (x - low) / (high - low) times 255, rounded half up: + 1/2, then truncated by the
     integer conversion. x - low is in [0, high - low] (rounding is monotonic), so the code is in [0, 255] (the
     product passes 255 by an ulp or two at most)."""
     half = constant(0.5, rows.dtype, rows.device)
-    return as_uint8(torch.mul(rows, scale).sub_(low_scaled).mul_(steps).add_(half))
+    shifted = torch.sub(rows, low_scaled) if scale is None else torch.mul(rows, scale).sub_(low_scaled)
+    return as_uint8(shifted.mul_(steps).add_(half))
 
 
 @functools.lru_cache(maxsize=16)

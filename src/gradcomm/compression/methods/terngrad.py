@@ -68,7 +68,12 @@ class TernGrad(
     def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
         work = as_dtype(flat, work_dtype(flat.dtype))
         dtype, device = work.dtype, work.device
-        scales = segment_absmax(work, segments)
+        matrix = Matrix.of(segments)
+        if matrix is not None:  # one view for the statistics and the fractions
+            work = matrix.view(work.contiguous())
+            scales = matrix.absmax(work)
+        else:
+            scales = segment_absmax(work, segments)
         if self.clip is not None:
             std = segment_std(work, segments, scales)
             # a constant tensor is not clipped
@@ -92,12 +97,13 @@ class TernGrad(
 
 
 def _divided(work: torch.Tensor, divisors: torch.Tensor, segments: Segments, clip: bool) -> torch.Tensor:
-    """``work / divisor`` of its segment (clipped to ``[-1, 1]``), flat, in a new tensor."""
+    """``work / divisor`` of its segment (clipped to ``[-1, 1]``), flat, in a new tensor; ``work``: flat, or the
+    segments' :class:`~gradcomm.compression.segment_stats.Matrix` view of it where they have one."""
     dtype, device = work.dtype, work.device
     low, high = constant(-1.0, dtype, device), constant(1.0, dtype, device)
     matrix = Matrix.of(segments)
-    if matrix is not None:
-        fraction = torch.div(matrix.view(work), matrix.column(divisors))
+    if matrix is not None:  # work is its view
+        fraction = torch.div(work, matrix.column(divisors))
         return (fraction.clamp_(min=low, max=high) if clip else fraction).view(-1)
     return segments.groups.rowwise_into(
         lambda target, rows, scale: torch.div(rows, scale, out=target).clamp_(min=low, max=high) if clip
