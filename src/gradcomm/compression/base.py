@@ -294,7 +294,7 @@ class SegmentedCompressor(Compressor):
             if isinstance(ctx, OwnDecoding) and ctx.decoded is not None:
                 return ctx.decoded
             own = [part.view(-1) if part.is_contiguous() else part[0] for part in gathered]
-            return self.decompress_segments(own, ctx, segments)
+            return self.decompress_segments(own, ctx, segments, out)
         return ordered_mean(
             (self.decompress_segments([p[rank] for p in gathered], ctx, segments) for rank in range(world_size)),
             world_size,

@@ -91,21 +91,27 @@ def not_negative(flat: torch.Tensor) -> torch.Tensor:
     return torch.ge(flat, constant(0, flat.dtype, flat.device))
 
 
-def unpack_scaled_signs(payload: Sequence[torch.Tensor], segments: Segments) -> torch.Tensor:
+def unpack_scaled_signs(
+    payload: Sequence[torch.Tensor], segments: Segments, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Inverse of :func:`pack_scaled_signs`: ``±scale`` of its segment for every coordinate."""
     bits, scales = payload
     tables = as_dtype(torch.mul(sign_values(scales.dtype, scales.device), scales.view(-1, 1)), segments.dtype)
-    return decode_segments(bits, segments, 1, tables)
+    return decode_segments(bits, segments, 1, tables, out)
 
 
-def decode_segments(packed: torch.Tensor, segments: Segments, bits: int, tables: torch.Tensor) -> torch.Tensor:
+def decode_segments(
+    packed: torch.Tensor, segments: Segments, bits: int, tables: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Inverse of :func:`pack_segments`, each code replaced by its value: ``tables[segment, code]`` with one
-    row of ``2**bits`` values per segment (or one row for all). A lookup per byte, as ``decode_bits``."""
+    row of ``2**bits`` values per segment (or one row for all). A lookup per byte, as ``decode_bits``.
+    ``out``: a flat tensor of the segments' elements and the tables' dtype it may be written into (where the
+    decoding needs no padding removed)."""
     per_segment = tables.dim() == 2 and tables.shape[0] > 1
     if bits == 8:  # a byte is a code, and segments are not padded
         if per_segment:
-            return _decode_by_segment(packed, 8, tables, _byte_offsets(segments, 8))
-        return lookup_bytes(packed, byte_table(tables, 8), segments.numel)
+            return _decode_by_segment(packed, 8, tables, _byte_offsets(segments, 8), out)
+        return lookup_bytes(packed, byte_table(tables, 8), segments.numel, out)
     padded = segments.padded(8)
     if not padded.aligned:  # each segment's bytes at a multiple of 8 codes
         bytes_ = packed.new_zeros(padded.numel * bits // 8).index_copy_(0, _kept_bytes(segments, bits), packed)
@@ -115,20 +121,25 @@ def decode_segments(packed: torch.Tensor, segments: Segments, bits: int, tables:
         codes = unpack_bits(bytes_, bits, padded.numel).to(torch.int64)
         decoded = tables.reshape(-1).index_select(0, codes)
     elif not per_segment:
-        decoded = lookup_bytes(bytes_, byte_table(tables, bits), padded.numel)
+        decoded = lookup_bytes(bytes_, byte_table(tables, bits), padded.numel, out if padded.aligned else None)
     else:
-        decoded = _decode_by_segment(bytes_, bits, tables, _byte_offsets(segments, bits))
+        offsets = _byte_offsets(segments, bits)
+        decoded = _decode_by_segment(bytes_, bits, tables, offsets, out if padded.aligned else None)
     return decoded if padded.aligned and decoded.numel() == segments.numel else padded.unpad(decoded)
 
 
-def lookup_bytes(packed: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+def lookup_bytes(
+    packed: torch.Tensor, table: torch.Tensor, length: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The first ``length`` values of the codes in 1-D ``packed`` bytes, looked up in one :func:`byte_table`."""
     rows = torch.empty(packed.shape, dtype=torch.int32, device=packed.device).copy_(packed)
-    decoded = _looked_up(table, rows)
+    decoded = _looked_up(table, rows, out if packed.numel() * table.shape[1] == length else None)
     return decoded if decoded.numel() == length else decoded[:length]
 
 
-def _decode_by_segment(packed: torch.Tensor, bits: int, tables: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _decode_by_segment(
+    packed: torch.Tensor, bits: int, tables: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``decode_bits`` with one table per segment: a byte ``b`` of segment ``s`` reads row ``256 s + b``
     (``offsets``: ``256 s`` in int32, one per byte, or a column of one per chunk of bytes)."""
     table = byte_table(tables, bits)
@@ -137,17 +148,27 @@ def _decode_by_segment(packed: torch.Tensor, bits: int, tables: torch.Tensor, of
         rows.view(offsets.shape[0], -1).add_(offsets)
     else:
         rows.add_(offsets)
-    return _looked_up(table, rows)
+    return _looked_up(table, rows, out)
 
 
-def _looked_up(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Rows ``rows`` of a :func:`byte_table`, flat: a table of one value per byte is a flat lookup."""
+def _looked_up(table: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``rows`` of a :func:`byte_table`, flat: a table of one value per byte is a flat lookup. ``out``:
+    where it may be written (flat, of the result's size and the table's dtype, contiguous), else ``None``."""
+    usable = (
+        out is not None and out.is_contiguous() and out.dtype == table.dtype
+        and out.numel() == rows.numel() * table.shape[1]
+    )
     if table.shape[1] == 1:
-        return table.view(-1).index_select(0, rows)
+        flat = table.view(-1)
+        return torch.index_select(flat, 0, rows, out=out.view(-1)) if usable else flat.index_select(0, rows)
     row_dtype = _ROW_DTYPES.get(table.shape[1] * table.element_size())
     if row_dtype is None or not table.is_contiguous():
         return table.index_select(0, rows).view(-1)
-    return table.view(row_dtype).view(-1).index_select(0, rows).view(table.dtype)  # a row as one element
+    elements = table.view(row_dtype).view(-1)  # a row as one element
+    if usable and out.storage_offset() * out.element_size() % row_dtype.itemsize == 0:
+        torch.index_select(elements, 0, rows, out=out.view(row_dtype))
+        return out.view(-1)
+    return elements.index_select(0, rows).view(table.dtype)
 
 
 def byte_table(tables: torch.Tensor, bits: int) -> torch.Tensor:

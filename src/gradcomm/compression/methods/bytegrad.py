@@ -77,8 +77,9 @@ class ByteGrad(
         values = as_dtype(values, segments.dtype)
         groups = segments.groups
         if Matrix.of(segments) is not None or len(groups.runs) > 16:
-            return decode_segments(codes, segments, 8, values)
-        out = torch.empty(segments.numel, dtype=segments.dtype, device=codes.device)
+            return decode_segments(codes, segments, 8, values, out)
+        usable = out is not None and out.is_contiguous() and out.numel() == segments.numel and out.dtype == values.dtype
+        out = out.view(-1) if usable else torch.empty(segments.numel, dtype=segments.dtype, device=codes.device)
         tables = groups.per_run(values)
         for rows_out, rows, table in zip(groups.rows(out), groups.rows(codes), tables, strict=True):
             rows_out.copy_(decode_bits(rows, 8, rows.shape[1], table))

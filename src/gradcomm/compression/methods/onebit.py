@@ -54,7 +54,7 @@ class OneBit(SegmentedRowwiseCompressor, name="onebit", summary="two-stage error
     def decompress_segments(
         self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return unpack_scaled_signs(payload, segments)
+        return unpack_scaled_signs(payload, segments, out)
 
     def decompress_own(self, payload: Payload, ctx: OwnDecoding, segments: Segments) -> torch.Tensor:
         ctx.decoded = decode_scaled_signs(ctx.state, payload[1], segments)

@@ -110,7 +110,8 @@ class QSGD(RandomizedCompressor, SegmentedCompressor, name="qsgd", summary="QSGD
         bits = self._bits
         if 8 % bits == 0 and padded.as_segments.padded(8).aligned:  # one lookup per byte in a table made once
             table = _byte_fractions(self.levels, bits, norms.dtype, norms.device)
-            values = lookup_bytes(packed, table, padded.numel)
+            usable = padded.aligned and segments.dtype == norms.dtype
+            values = lookup_bytes(packed, table, padded.numel, out if usable else None)
         else:
             fractions = _fractions(self.levels, bits, norms.dtype, norms.device)
             values = decode_segments(packed, padded.as_segments, bits, fractions)

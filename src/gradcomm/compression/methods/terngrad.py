@@ -93,7 +93,7 @@ class TernGrad(
     ) -> torch.Tensor:
         packed, scales = payload
         tables = as_dtype(torch.mul(_ternary(scales.dtype, scales.device), scales.view(-1, 1)), segments.dtype)
-        return decode_segments(packed, segments, 2, tables)
+        return decode_segments(packed, segments, 2, tables, out)
 
 
 def _divided(work: torch.Tensor, divisors: torch.Tensor, segments: Segments, clip: bool) -> torch.Tensor:
