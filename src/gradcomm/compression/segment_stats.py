@@ -97,8 +97,8 @@ class Matrix:
     def absmax(self, flat: torch.Tensor) -> torch.Tensor:
         """Each segment's largest magnitude (NaN where it has one); ``flat`` may be its :meth:`view` already,
         as for the other statistics."""
-        rows = torch.linalg.vector_norm(self.view(flat), float("inf"), dim=1)
-        return self._by_segment(rows, "amax")
+        rows = torch.linalg.vector_norm(self.view(flat), float("inf"), dim=1, keepdim=True)  # kept: one call
+        return self._by_segment(rows.view(-1), "amax")
 
     def extreme(self, flat: torch.Tensor, reduce: str) -> torch.Tensor:
         """Each segment's ``"max"`` or ``"min"``."""
@@ -111,20 +111,21 @@ class Matrix:
         length = self.length
         if length % _BLOCK:
             return torch.mean(self.view(flat), dim=1)
+        # dimensions kept: a reduction that drops one costs a call more
         accumulation = torch.float32 if flat.dtype.itemsize < 4 else None
-        blocks = torch.sum(flat.view(self.rows, length // _BLOCK, _BLOCK), dim=2, dtype=accumulation)
+        blocks = torch.sum(flat.view(self.rows, length // _BLOCK, _BLOCK), dim=2, keepdim=True, dtype=accumulation)
         if blocks.dtype != torch.float64:
             wide = torch.empty(blocks.shape, dtype=torch.float64, device=blocks.device)
             blocks = wide.copy_(blocks)
-        sums = torch.sum(blocks, dim=1)
+        sums = torch.sum(blocks, dim=1, keepdim=True)
         device = flat.device
         if self.ids is None:
             sums.div_(constant(float(length), torch.float64, device))
         else:
-            sums = torch.index_add(self._zeros, 0, self.ids, sums).div_(_lengths(self.segments))
-        if flat.dtype == torch.float64:
-            return sums
-        return torch.empty(sums.shape, dtype=flat.dtype, device=device).copy_(sums)
+            sums = torch.index_add(self._zeros, 0, self.ids, sums.view(-1)).div_(_lengths(self.segments))
+        if flat.dtype != torch.float64:
+            sums = torch.empty(sums.shape, dtype=flat.dtype, device=device).copy_(sums)
+        return sums.view(-1)
 
 
 @functools.lru_cache(maxsize=8)
