@@ -78,11 +78,13 @@ def decode_scaled_signs(signs: torch.Tensor, scales: torch.Tensor, segments: Seg
     the same values: ``+scale`` where set, ``-scale`` elsewhere, by one selection on the segments'
     :class:`~gradcomm.compression.segment_stats.Matrix` (a decoding where they have none)."""
     matrix = Matrix.of(segments)
-    values = as_dtype(scales, segments.dtype)
     if matrix is None:
         return unpack_scaled_signs([pack_segments(signs.view(torch.uint8), segments, 1), scales], segments)
-    column = matrix.column(values)
-    return torch.where(matrix.view(signs), column, torch.neg(column)).view(-1)
+    # +-1 (int8) times the scale, as the decoding's table is: a selection by a bool mask between two columns
+    # is not vectorised on the CPU (ten times slower)
+    device = signs.device
+    plus_minus = torch.mul(signs.view(torch.int8), constant(2, torch.int8, device)).sub_(constant(1, torch.int8, device))
+    return torch.mul(matrix.view(plus_minus), matrix.column(as_dtype(scales, segments.dtype))).view(-1)
 
 
 def not_negative(flat: torch.Tensor) -> torch.Tensor:

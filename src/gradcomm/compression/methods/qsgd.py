@@ -89,10 +89,10 @@ class QSGD(RandomizedCompressor, SegmentedCompressor, name="qsgd", summary="QSGD
         # The norm as safe_norm computes it (peak * ||x / peak||), its parts reused: x / norm is
         # (x / peak) / ||x / peak||, and ||x / peak|| >= 1 (its peak element is +-1) or 0 (a bucket of zeros).
         # A bucket of zeros may be divided by anything nonzero: the smallest number, or 1 for its norm.
-        peak = torch.linalg.vector_norm(buckets, float("inf"), dim=1, keepdim=True)
+        peak = torch.maximum(torch.amax(buckets, dim=1, keepdim=True), torch.amin(buckets, dim=1, keepdim=True).neg_())
         relative = torch.div(buckets, torch.clamp_min(peak, constant(smallest_positive(dtype), dtype, device)))
         relative_norm = torch.linalg.vector_norm(relative, dim=1, keepdim=True)
-        norms = torch.mul(peak, relative_norm).clamp_(max=constant(torch.finfo(dtype).max, dtype, device))
+        norms = torch.mul(peak, relative_norm).clamp_(max=torch.finfo(dtype).max)  # a number: a NaN kept as it is
         # x / norm * levels, in [-levels, levels]; levels / n is 1 / n times levels, as torch divides a number
         per_level = torch.clamp_min(relative_norm, constant(1.0, dtype, device)).reciprocal_()
         scaled = relative.mul_(per_level.mul_(constant(float(self.levels), dtype, device)))

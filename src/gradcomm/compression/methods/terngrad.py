@@ -99,14 +99,12 @@ class TernGrad(
 def _divided(work: torch.Tensor, divisors: torch.Tensor, segments: Segments, clip: bool) -> torch.Tensor:
     """``work / divisor`` of its segment (clipped to ``[-1, 1]``), flat, in a new tensor; ``work``: flat, or the
     segments' :class:`~gradcomm.compression.segment_stats.Matrix` view of it where they have one."""
-    dtype, device = work.dtype, work.device
-    low, high = constant(-1.0, dtype, device), constant(1.0, dtype, device)
     matrix = Matrix.of(segments)
     if matrix is not None:  # work is its view
         fraction = torch.div(work, matrix.column(divisors))
-        return (fraction.clamp_(min=low, max=high) if clip else fraction).view(-1)
+        return (fraction.clamp_(-1, 1) if clip else fraction).view(-1)  # numbers: a NaN kept as it is
     return segments.groups.rowwise_into(
-        lambda target, rows, scale: torch.div(rows, scale, out=target).clamp_(min=low, max=high) if clip
+        lambda target, rows, scale: torch.div(rows, scale, out=target).clamp_(-1, 1) if clip
         else torch.div(rows, scale, out=target),
         [work],
         [divisors],
