@@ -84,7 +84,9 @@ def decode_scaled_signs(signs: torch.Tensor, scales: torch.Tensor, segments: Seg
     # is not vectorised on the CPU (ten times slower)
     device = signs.device
     plus_minus = torch.mul(signs.view(torch.int8), constant(2, torch.int8, device)).sub_(constant(1, torch.int8, device))
-    return torch.mul(matrix.view(plus_minus), matrix.column(as_dtype(scales, segments.dtype))).view(-1)
+    decoded = torch.empty(plus_minus.shape, dtype=segments.dtype, device=device).copy_(plus_minus)
+    matrix.view(decoded).mul_(matrix.column(as_dtype(scales, segments.dtype)))
+    return decoded
 
 
 def not_negative(flat: torch.Tensor) -> torch.Tensor:

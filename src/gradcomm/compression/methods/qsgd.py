@@ -115,7 +115,7 @@ class QSGD(RandomizedCompressor, SegmentedCompressor, name="qsgd", summary="QSGD
         else:
             fractions = _fractions(self.levels, bits, norms.dtype, norms.device)
             values = decode_segments(packed, padded.as_segments, bits, fractions)
-        values = values.view(-1, self.bucket_size).mul_(norms.view(-1, 1)).view(-1)
+        values.view(-1, self.bucket_size).mul_(norms.view(-1, 1))
         return as_dtype(values if padded.aligned else padded.unpad(values), segments.dtype)
 
 
