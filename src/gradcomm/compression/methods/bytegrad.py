@@ -49,7 +49,7 @@ class ByteGrad(
         if matrix is None:
             low, high = segment_reduce(work, "min", segments), segment_reduce(work, "max", segments)
         else:
-            rows = matrix.view(work)
+            rows = matrix.view(work.contiguous())
             low, high = matrix.extreme(rows, "min"), matrix.extreme(rows, "max")
         scale, low_scaled, steps_per_unit = _steps(low, high)
         if matrix is None:
