@@ -277,6 +277,39 @@ def test_a_tensors_scales_are_alike_in_any_layout():
         assert torch.equal(values, scales["alone"]), name
 
 
+_DECODE_LAYOUTS = {**LAYOUTS, "aligned": (1024, 2048, 1024, 4096)}
+"""``aligned``: whole QSGD buckets and bytes of codes in every tensor, so every quantizer can decode in place."""
+
+
+@pytest.mark.parametrize("layout", _DECODE_LAYOUTS)
+@pytest.mark.parametrize("make", [QSGD, EFSignSGD, TernGrad, OneBit, ByteGrad])
+def test_quantizers_decode_into_out(make, layout):
+    """The hook hands its workspace (or the bucket's place) as ``out``: a decoding written there is the same,
+    and needs no new bucket-sized tensor."""
+    _, segments, flat = _bucket(10, _DECODE_LAYOUTS[layout])
+    compressor = make()
+    payload, ctx = compressor.compress_segments(flat, segments)
+    expected = compressor.decompress_segments(payload, ctx, segments)
+    out = torch.full_like(flat, 7.0)
+    decoded = compressor.decompress_segments(payload, ctx, segments, out)
+    assert torch.equal(decoded, expected)
+    if layout == "aligned":
+        assert decoded.data_ptr() == out.data_ptr()
+
+
+@pytest.mark.parametrize("layout", _DECODE_LAYOUTS)
+@pytest.mark.parametrize("make", [EFSignSGD, OneBit])
+def test_own_decoding_is_the_payloads(make, layout):
+    """A rank's decoding of its own payload from what its encoding kept is the payload's decoding, and the mean
+    over one rank is it."""
+    _, segments, flat = _bucket(11, _DECODE_LAYOUTS[layout])
+    compressor = make()
+    payload, ctx = compressor.compress_segments(flat, segments)
+    own = compressor.decompress_own(payload, ctx, segments)
+    assert torch.equal(own, compressor.decompress_segments(payload, ctx, segments))
+    assert compressor.aggregate_segments([part.unsqueeze(0) for part in payload], ctx, segments) is own
+
+
 # -- torch calls per bucket -------------------------------------------------------------------------------------
 CEILINGS = {
     "allreduce": 5,

@@ -166,7 +166,10 @@ def _looked_up(table: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None
         flat = table.view(-1)
         return torch.index_select(flat, 0, rows, out=out.view(-1)) if usable else flat.index_select(0, rows)
     row_dtype = _ROW_DTYPES.get(table.shape[1] * table.element_size())
-    if row_dtype is None or not table.is_contiguous():
+    if row_dtype is None or not table.is_contiguous():  # rows copied as rows (one bit per code: 8 values)
+        if usable:
+            torch.index_select(table, 0, rows, out=out.view(-1, table.shape[1]))
+            return out.view(-1)
         return table.index_select(0, rows).view(-1)
     elements = table.view(row_dtype).view(-1)  # a row as one element
     if usable and out.storage_offset() * out.element_size() % row_dtype.itemsize == 0:
