@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Compressor",
     "ErrorFeedback",
+    "OwnDecoding",
     "Payload",
     "RandomizedCompressor",
     "RowwiseCompressor",
@@ -231,6 +232,17 @@ class Compressor(ABC):
         return f"{type(self).__name__}({fields})"
 
 
+@dataclass(eq=False)
+class OwnDecoding:
+    """``ctx`` of a segmented encoding that can keep this rank's own payload decoded, where error feedback
+    computed it (``decompress_segments`` of the payload, the same bits): on one rank the mean over ranks is
+    that decoding, and the exchange's decoding of the same payload is skipped. ``state``: what else the
+    method's decoding of its own payload needs (its signs as computed, say)."""
+
+    state: Any = None
+    decoded: torch.Tensor | None = None
+
+
 @dataclass(frozen=True)
 class _OneTensor:
     """``ctx`` of one tensor compressed by a :class:`SegmentedCompressor`: its own ``ctx`` and layout."""
@@ -275,8 +287,14 @@ class SegmentedCompressor(Compressor):
     def aggregate_segments(
         self, gathered: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The mean over ranks (leading axis of ``gathered``), summed in rank order (as :meth:`aggregate`)."""
+        """The mean over ranks (leading axis of ``gathered``), summed in rank order (as :meth:`aggregate`). On
+        one rank, this rank's own decoding where its encoding kept one (:class:`OwnDecoding`)."""
         world_size = gathered[0].shape[0]
+        if world_size == 1:
+            if isinstance(ctx, OwnDecoding) and ctx.decoded is not None:
+                return ctx.decoded
+            own = [part.view(-1) if part.is_contiguous() else part[0] for part in gathered]
+            return self.decompress_segments(own, ctx, segments, out)
         return ordered_mean(
             (self.decompress_segments([p[rank] for p in gathered], ctx, segments) for rank in range(world_size)),
             world_size,
@@ -285,7 +303,16 @@ class SegmentedCompressor(Compressor):
 
     def residual_segments(self, corrected: torch.Tensor, payload: Payload, ctx: Any, segments: Segments) -> torch.Tensor:
         """``corrected - decompress_segments(...)``, which may overwrite ``corrected`` (see :meth:`residual`)."""
-        return corrected.sub_(self.decompress_segments(payload, ctx, segments))
+        return corrected.sub_(self.decompress_own(payload, ctx, segments))
+
+    def decompress_own(self, payload: Payload, ctx: Any, segments: Segments) -> torch.Tensor:
+        """:meth:`decompress_segments` of the payload this rank's :meth:`compress_segments` just made, with its
+        ``ctx`` (a method may decode it from what its encoding kept, the same values), kept in ``ctx`` where
+        that is an :class:`OwnDecoding`."""
+        decoded = self.decompress_segments(payload, ctx, segments)
+        if isinstance(ctx, OwnDecoding):
+            ctx.decoded = decoded
+        return decoded
 
     # -- one tensor: a bucket of one segment --------------------------------------------------------------
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, _OneTensor]:
@@ -351,7 +378,7 @@ class RandomizedCompressor(Compressor):
             self._draws[key] = count + 1
             digest = hashlib.blake2b(repr(("segments", self.seed, rank, key, count)).encode(), digest_size=8)
             seeds.append(seed_of(digest.digest()))
-        return torch.tensor(seeds, dtype=torch.int64, device=segments.device)
+        return torch.as_tensor(seeds, dtype=torch.int64, device=segments.device)
 
     def state_dict(self) -> dict[str, Any]:
         return {"draws": dict(self._draws)}

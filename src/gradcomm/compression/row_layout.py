@@ -51,7 +51,7 @@ class RowLayout:
     def join(self, rows: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`cut`: the bucket's elements of rows, without the padding."""
         if self.world_size == 1:
-            return rows.reshape(-1)
+            return rows if rows.dim() == 1 else rows.reshape(-1)
         return rows.reshape(-1).index_select(0, self.from_rows)
 
     @staticmethod

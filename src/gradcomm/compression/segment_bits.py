@@ -13,17 +13,22 @@ from collections.abc import Sequence
 import torch
 
 from gradcomm.compression._numerics import (
-    decode_bits,
-    gather_rows,
     pack_bits,
     sign_values,
     unpack_bits,
     work_dtype,
 )
+from gradcomm.compression._numerics.bits import _ROW_DTYPES
+from gradcomm.compression.segment_stats import Matrix, constant
 from gradcomm.compression.segments import Segments, _ids, _placement, as_dtype
 
 __all__ = [
+    "byte_table",
+    "decode_scaled_signs",
     "decode_segments",
+    "encode_scaled_signs",
+    "lookup_bytes",
+    "not_negative",
     "pack_scaled_signs",
     "pack_segments",
     "packed_lengths",
@@ -56,25 +61,61 @@ def scaled_signs_layout(lengths: Sequence[int], dtype: torch.dtype) -> list[tupl
 
 def pack_scaled_signs(flat: torch.Tensor, segments: Segments, scales: torch.Tensor) -> list[torch.Tensor]:
     """Each segment's signs (zeros as ``+``) packed one bit each, and its scale: ``sign(x) * scale``."""
-    not_negative = torch.ge(flat, 0, out=torch.empty(flat.shape, dtype=torch.int8, device=flat.device))
-    return [pack_segments(not_negative.view(torch.uint8), segments, 1), scales]
+    return encode_scaled_signs(flat, segments, scales)[0]
 
 
-def unpack_scaled_signs(payload: Sequence[torch.Tensor], segments: Segments) -> torch.Tensor:
+def encode_scaled_signs(
+    flat: torch.Tensor, segments: Segments, scales: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """:func:`pack_scaled_signs`, and the signs as computed (bool, :func:`not_negative`), for
+    :func:`decode_scaled_signs`."""
+    signs = not_negative(flat)
+    return [pack_segments(signs.view(torch.uint8), segments, 1), scales], signs
+
+
+def decode_scaled_signs(signs: torch.Tensor, scales: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """:func:`unpack_scaled_signs` of a payload from its signs before packing (:func:`pack_scaled_signs`),
+    the same values: ``+scale`` where set, ``-scale`` elsewhere, by one selection on the segments'
+    :class:`~gradcomm.compression.segment_stats.Matrix` (a decoding where they have none)."""
+    matrix = Matrix.of(segments)
+    if matrix is None:
+        return unpack_scaled_signs([pack_segments(signs.view(torch.uint8), segments, 1), scales], segments)
+    # +-1 (int8) times the scale, as the decoding's table is: a selection by a bool mask between two columns
+    # is not vectorised on the CPU (ten times slower)
+    device = signs.device
+    plus_minus = torch.mul(signs.view(torch.int8), constant(2, torch.int8, device)).sub_(constant(1, torch.int8, device))
+    decoded = torch.empty(plus_minus.shape, dtype=segments.dtype, device=device).copy_(plus_minus)
+    matrix.view(decoded).mul_(matrix.column(as_dtype(scales, segments.dtype)))
+    return decoded
+
+
+def not_negative(flat: torch.Tensor) -> torch.Tensor:
+    """Where ``flat >= 0`` (its sign bits: zeros count as ``+``, NaN as ``-``), as bool: one call (a Python 0,
+    or an ``out=`` of int8, costs several)."""
+    return torch.ge(flat, constant(0, flat.dtype, flat.device))
+
+
+def unpack_scaled_signs(
+    payload: Sequence[torch.Tensor], segments: Segments, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Inverse of :func:`pack_scaled_signs`: ``±scale`` of its segment for every coordinate."""
     bits, scales = payload
-    tables = as_dtype(sign_values(scales.dtype, scales.device) * scales.unsqueeze(1), segments.dtype)
-    return decode_segments(bits, segments, 1, tables)
+    tables = as_dtype(torch.mul(sign_values(scales.dtype, scales.device), scales.view(-1, 1)), segments.dtype)
+    return decode_segments(bits, segments, 1, tables, out)
 
 
-def decode_segments(packed: torch.Tensor, segments: Segments, bits: int, tables: torch.Tensor) -> torch.Tensor:
+def decode_segments(
+    packed: torch.Tensor, segments: Segments, bits: int, tables: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Inverse of :func:`pack_segments`, each code replaced by its value: ``tables[segment, code]`` with one
-    row of ``2**bits`` values per segment (or one row for all). A lookup per byte, as ``decode_bits``."""
+    row of ``2**bits`` values per segment (or one row for all). A lookup per byte, as ``decode_bits``.
+    ``out``: a flat tensor of the segments' elements and the tables' dtype it may be written into (where the
+    decoding needs no padding removed)."""
     per_segment = tables.dim() == 2 and tables.shape[0] > 1
     if bits == 8:  # a byte is a code, and segments are not padded
         if per_segment:
-            return _decode_by_segment(packed, 8, tables, _byte_offsets(segments, 8))
-        return decode_bits(packed, 8, segments.numel, tables.reshape(-1))
+            return _decode_by_segment(packed, 8, tables, _byte_offsets(segments, 8), out)
+        return lookup_bytes(packed, byte_table(tables, 8), segments.numel, out)
     padded = segments.padded(8)
     if not padded.aligned:  # each segment's bytes at a multiple of 8 codes
         bytes_ = packed.new_zeros(padded.numel * bits // 8).index_copy_(0, _kept_bytes(segments, bits), packed)
@@ -84,23 +125,72 @@ def decode_segments(packed: torch.Tensor, segments: Segments, bits: int, tables:
         codes = unpack_bits(bytes_, bits, padded.numel).to(torch.int64)
         decoded = tables.reshape(-1).index_select(0, codes)
     elif not per_segment:
-        decoded = decode_bits(bytes_, bits, padded.numel, tables.reshape(-1))
+        decoded = lookup_bytes(bytes_, byte_table(tables, bits), padded.numel, out if padded.aligned else None)
     else:
-        decoded = _decode_by_segment(bytes_, bits, tables, _byte_offsets(segments, bits))
-    return padded.unpad(decoded)
+        offsets = _byte_offsets(segments, bits)
+        decoded = _decode_by_segment(bytes_, bits, tables, offsets, out if padded.aligned else None)
+    return decoded if padded.aligned and decoded.numel() == segments.numel else padded.unpad(decoded)
 
 
-def _decode_by_segment(packed: torch.Tensor, bits: int, tables: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def lookup_bytes(
+    packed: torch.Tensor, table: torch.Tensor, length: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The first ``length`` values of the codes in 1-D ``packed`` bytes, looked up in one :func:`byte_table`."""
+    rows = torch.empty(packed.shape, dtype=torch.int32, device=packed.device).copy_(packed)
+    decoded = _looked_up(table, rows, out if packed.numel() * table.shape[1] == length else None)
+    return decoded if decoded.numel() == length else decoded[:length]
+
+
+def _decode_by_segment(
+    packed: torch.Tensor, bits: int, tables: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``decode_bits`` with one table per segment: a byte ``b`` of segment ``s`` reads row ``256 s + b``
     (``offsets``: ``256 s`` in int32, one per byte, or a column of one per chunk of bytes)."""
-    codes_per_byte = 8 // bits
-    patterns = _byte_patterns(bits, packed.device)
-    table = tables[:, patterns].reshape(-1, codes_per_byte) if bits < 8 else tables.reshape(-1, 1)
+    table = byte_table(tables, bits)
+    rows = torch.empty(packed.shape, dtype=torch.int32, device=packed.device).copy_(packed)
     if offsets.dim() == 2:
-        rows = packed.view(offsets.shape[0], -1).to(torch.int32).add_(offsets).view(-1)
+        rows.view(offsets.shape[0], -1).add_(offsets)
     else:
-        rows = packed.to(torch.int32).add_(offsets)
-    return gather_rows(table, rows).reshape(-1)
+        rows.add_(offsets)
+    return _looked_up(table, rows, out)
+
+
+def _looked_up(table: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``rows`` of a :func:`byte_table`, flat: a table of one value per byte is a flat lookup. ``out``:
+    where it may be written (flat, of the result's size and the table's dtype, contiguous), else ``None``."""
+    usable = (
+        out is not None and out.is_contiguous() and out.dtype == table.dtype
+        and out.numel() == rows.numel() * table.shape[1]
+    )
+    if table.shape[1] == 1:
+        flat = table.view(-1)
+        return torch.index_select(flat, 0, rows, out=out.view(-1)) if usable else flat.index_select(0, rows)
+    row_dtype = _ROW_DTYPES.get(table.shape[1] * table.element_size())
+    if row_dtype is None or not table.is_contiguous():  # rows copied as rows (one bit per code: 8 values)
+        if usable:
+            torch.index_select(table, 0, rows, out=out.view(-1, table.shape[1]))
+            return out.view(-1)
+        return table.index_select(0, rows).view(-1)
+    elements = table.view(row_dtype).view(-1)  # a row as one element
+    if usable and out.storage_offset() * out.element_size() % row_dtype.itemsize == 0:
+        torch.index_select(elements, 0, rows, out=out.view(row_dtype))
+        return out.view(-1)
+    return elements.index_select(0, rows).view(table.dtype)
+
+
+def byte_table(tables: torch.Tensor, bits: int) -> torch.Tensor:
+    """Of ``tables`` (one row of ``2**bits`` code values per segment, or one row), the values of every byte's
+    ``8 // bits`` codes: row ``256 s + b`` for byte ``b`` of segment ``s`` (:func:`_decode_by_segment`)."""
+    if bits == 8:
+        return tables.view(-1, 1) if tables.is_contiguous() else tables.reshape(-1, 1)
+    rows = tables if tables.dim() == 2 else tables.view(1, -1)
+    return rows.index_select(1, _flat_patterns(bits, tables.device)).view(-1, 8 // bits)
+
+
+@functools.lru_cache(maxsize=16)
+def _flat_patterns(bits: int, device: torch.device) -> torch.Tensor:
+    """:func:`_byte_patterns`, flat: the codes of byte 0, then of byte 1, ..."""
+    return _byte_patterns(bits, device).reshape(-1)
 
 
 @functools.lru_cache(maxsize=16)

@@ -7,13 +7,16 @@ generator, a seed and a draw per tensor.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
+from gradcomm.compression._numerics import NOISE_SCALE
+from gradcomm.compression.segment_stats import constant
 from gradcomm.compression.segments import Padded, Segments, _ids, _placement, _starts
 
-__all__ = ["seed_of", "segment_noise", "segment_words"]
+__all__ = ["add_noise_", "seed_of", "segment_noise", "segment_words"]
 
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
@@ -22,8 +25,18 @@ _MIX2 = -7723592293110705685  # 0x94D049BB133111EB
 
 
 def _shifted_right(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """A logical right shift of int64 (torch's ``>>`` is arithmetic)."""
-    return (x >> bits).bitwise_and_((1 << (64 - bits)) - 1)
+    """A logical right shift of int64 (torch's ``>>`` is arithmetic); its operands as 0-d tensors made once (a
+    Python number costs calls of its own)."""
+    shift, mask = _shift_operands(bits, x.device)
+    return torch.bitwise_right_shift(x, shift).bitwise_and_(mask)
+
+
+@functools.lru_cache(maxsize=16)
+def _shift_operands(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.tensor(bits, dtype=torch.int64, device=device),
+        torch.tensor((1 << (64 - bits)) - 1, dtype=torch.int64, device=device),
+    )
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -47,6 +60,14 @@ def segment_noise(seeds: torch.Tensor, segments: Segments, multiple: int = 1) ->
     if tuple(target) == words_layout.lengths:
         return noise
     return noise.index_select(0, _placement_cached(segments, tuple(target), words_layout.lengths))
+
+
+def add_noise_(x: torch.Tensor, noise: torch.Tensor, offset: float) -> torch.Tensor:
+    """``x + noise * NOISE_SCALE + offset`` in place (stochastic rounding, ``x`` flat, ``noise`` from
+    :func:`segment_noise`): the noise converted once (an addition of int16 converts it anyway, in four calls),
+    the offset a 0-d constant."""
+    converted = torch.empty(noise.shape, dtype=x.dtype, device=x.device).copy_(noise)
+    return x.add_(converted, alpha=NOISE_SCALE).add_(constant(offset, x.dtype, x.device))
 
 
 def segment_words(seeds: torch.Tensor, segments: Segments) -> torch.Tensor:

@@ -1,21 +1,168 @@
 """Per-segment statistics of a segmented bucket built on :func:`~gradcomm.compression.segments.segment_reduce`:
 mean magnitudes without overflow, root mean squares and standard deviations, one per tensor, in a number of
 calls that does not grow with the tensors (the scales of the sign and ternary methods).
+
+Where the bucket is one ``(rows, length)`` matrix whose rows never cross a tensor (:class:`Matrix`: one tensor,
+one run of equal tensors, or :class:`~gradcomm.compression.segments.Chunks`), the statistics are row-wise
+operations on it with ``out=`` buffers and 0-d constants (:func:`constant`): a Python number in a torch call
+is wrapped into a tensor first, four calls more each time. The results are the same bits as the general
+:func:`~gradcomm.compression.segments.segment_reduce` path, which other layouts keep.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from gradcomm.compression._numerics import nonzero_or_one
-from gradcomm.compression._numerics.reductions import _plain_is_exact
-from gradcomm.compression.segments import Segments, segment_reduce
+from gradcomm.compression._numerics.reductions import _PLAIN_FLOOR, _plain_is_exact
+from gradcomm.compression.segments import _BLOCK, Segments, segment_reduce
 
-__all__ = ["segment_mean_abs", "segment_rms", "segment_std"]
+__all__ = [
+    "Matrix",
+    "constant",
+    "segment_absmax",
+    "segment_mean_abs",
+    "segment_rms",
+    "segment_std",
+    "smallest_positive",
+]
+
+
+@functools.lru_cache(maxsize=256)
+def constant(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``value`` as a 0-d tensor of ``dtype`` on ``device``, made once: an operand that costs no wrapping call
+    (the same bits as the Python number, which torch converts to the operation's dtype). Shared: read it,
+    never write it."""
+    return torch.tensor(value, dtype=dtype, device=device)
+
+
+class Matrix:
+    """A bucket's flat tensor as one ``(rows, length)`` matrix whose rows never cross a segment: one segment
+    (one row), one run of equal segments back to back (a row each), or its chunks
+    (:class:`~gradcomm.compression.segments.Chunks`: ``ids``, each row's segment). Per-segment statistics
+    are then row-wise reductions (and, for chunks, one reduction of the rows' results by segment), and
+    per-segment values broadcast as one ``(rows, 1)`` column."""
+
+    def __init__(self, segments: Segments, rows: int, length: int, ids: torch.Tensor | None) -> None:
+        self.segments = segments
+        self.rows = rows
+        self.length = length
+        self.ids = ids
+
+    @staticmethod
+    def of(segments: Segments) -> Matrix | None:
+        """The matrix of ``segments`` (cached), or ``None`` where their layout has none (runs of several
+        lengths whose lengths share no power-of-two chunk of 32 or more)."""
+        cache = segments.__dict__
+        if "_matrix" not in cache:
+            cache["_matrix"] = Matrix._made(segments)
+        return cache["_matrix"]
+
+    @staticmethod
+    def _made(segments: Segments) -> Matrix | None:
+        if len(segments) == 1:
+            return Matrix(segments, 1, segments.numel, None)
+        chunks = segments.chunks
+        if chunks is not None:
+            return Matrix(segments, chunks.count, chunks.length, chunks.ids)
+        runs = segments.groups.runs
+        if len(runs) == 1 and segments.groups.order is None and runs[0][2] == runs[0][0]:
+            return Matrix(segments, len(segments), runs[0][0], None)
+        return None
+
+    @functools.cached_property
+    def _zeros(self) -> torch.Tensor:
+        """float64 zeros, one per segment, that chunks' sums are added to (out of place): read, never written."""
+        return torch.zeros(len(self.segments), dtype=torch.float64, device=self.segments.device)
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """Contiguous flat ``flat`` as the ``(rows, length)`` matrix (the matrix itself where it is one)."""
+        return flat if flat.dim() == 2 else flat.view(self.rows, self.length)
+
+    def column(self, per_segment: torch.Tensor) -> torch.Tensor:
+        """Each row's segment's value of flat ``per_segment``, as a ``(rows, 1)`` column."""
+        if self.ids is None:
+            return per_segment.view(self.rows, 1)
+        return per_segment.index_select(0, self.ids).view(self.rows, 1)
+
+    def _by_segment(self, partial: torch.Tensor, reduce: str) -> torch.Tensor:
+        """Row results ``partial`` reduced by segment (``"amax"``, ``"amin"``): themselves where a row is a segment."""
+        if self.ids is None:
+            return partial
+        out = torch.empty(len(self.segments), dtype=partial.dtype, device=partial.device)
+        return out.scatter_reduce_(0, self.ids, partial, reduce, include_self=False)
+
+    def absmax(self, flat: torch.Tensor) -> torch.Tensor:
+        """Each segment's largest magnitude (NaN where it has one; +0 where all are zeros); ``flat`` may be its
+        :meth:`view` already, as for the other statistics. The larger of the row's maximum and its minimum
+        negated: two reading passes, where ``abs`` writes a bucket-sized tensor (and an inf-norm is
+        several times slower on the CPU)."""
+        rows = self.view(flat)
+        peak = torch.maximum(torch.amax(rows, dim=1, keepdim=True), torch.amin(rows, dim=1, keepdim=True).neg_())
+        return self._by_segment(peak.abs_().view(-1), "amax")
+
+    def extreme(self, flat: torch.Tensor, reduce: str) -> torch.Tensor:
+        """Each segment's ``"max"`` or ``"min"``."""
+        rows = torch.amax(self.view(flat), dim=1) if reduce == "max" else torch.amin(self.view(flat), dim=1)
+        return self._by_segment(rows, "a" + reduce)
+
+    def mean(self, flat: torch.Tensor) -> torch.Tensor:
+        """Each segment's mean, the bits of ``segment_reduce(flat, "mean", segments)``: float32 sums of blocks of
+        32 elements added in float64 (a plain row mean where a row is no multiple of 32 long)."""
+        length = self.length
+        if length % _BLOCK:
+            return torch.mean(self.view(flat), dim=1)
+        # dimensions kept: a reduction that drops one costs a call more
+        accumulation = torch.float32 if flat.dtype.itemsize < 4 else None
+        blocks = torch.sum(flat.view(self.rows, length // _BLOCK, _BLOCK), dim=2, keepdim=True, dtype=accumulation)
+        if blocks.dtype != torch.float64:
+            wide = torch.empty(blocks.shape, dtype=torch.float64, device=blocks.device)
+            blocks = wide.copy_(blocks)
+        sums = torch.sum(blocks, dim=1, keepdim=True)
+        device = flat.device
+        if self.ids is None:
+            sums.div_(constant(float(length), torch.float64, device))
+        else:
+            sums = torch.index_add(self._zeros, 0, self.ids, sums.view(-1)).div_(_lengths(self.segments))
+        if flat.dtype != torch.float64:
+            sums = torch.empty(sums.shape, dtype=flat.dtype, device=device).copy_(sums)
+        return sums.view(-1)
+
+
+@functools.lru_cache(maxsize=8)
+def smallest_positive(dtype: torch.dtype) -> float:
+    """The smallest positive number of a floating ``dtype`` (a subnormal one)."""
+    zero = torch.zeros((), dtype=dtype)
+    return float(torch.nextafter(zero, torch.ones((), dtype=dtype)))
+
+
+def _lengths(segments: Segments) -> torch.Tensor:
+    cache = segments.__dict__
+    if "_lengths64" not in cache:
+        cache["_lengths64"] = torch.tensor(segments.lengths, dtype=torch.float64, device=segments.device)
+    return cache["_lengths64"]
+
+
+def _plain_ok(mean: torch.Tensor) -> bool:
+    """:func:`_plain_is_exact` in three calls: every mean finite and at least the floor (a NaN fails the
+    comparison as it fails ``isfinite``). Reads the values on the host."""
+    low = constant(_PLAIN_FLOOR, mean.dtype, mean.device)
+    high = constant(torch.finfo(mean.dtype).max, mean.dtype, mean.device)
+    return torch.equal(torch.clamp(mean, min=low, max=high), mean)
 
 
 def _expanded(per_segment: torch.Tensor, segments: Segments) -> torch.Tensor:
     return segments.expand(per_segment.reshape(-1))
+
+
+def segment_absmax(x: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """Each segment's largest magnitude (``segment_reduce(x.abs(), "max", segments)``)."""
+    matrix = Matrix.of(segments)
+    if matrix is not None:
+        return matrix.absmax(x.contiguous())
+    return segment_reduce(x.abs(), "max", segments)
 
 
 def segment_mean_abs(x: torch.Tensor, segments: Segments) -> torch.Tensor:
@@ -24,9 +171,15 @@ def segment_mean_abs(x: torch.Tensor, segments: Segments) -> torch.Tensor:
     by their segment's peak."""
     magnitude = x.abs()
     if x.device.type == "cpu":
-        mean = segment_reduce(magnitude, "mean", segments)
-        if _plain_is_exact(mean):
-            return mean
+        matrix = Matrix.of(segments)
+        if matrix is not None:
+            mean = matrix.mean(magnitude)
+            if _plain_ok(mean):
+                return mean
+        else:
+            mean = segment_reduce(magnitude, "mean", segments)
+            if _plain_is_exact(mean):
+                return mean
     peak = segment_reduce(magnitude, "max", segments)
     return peak * segment_reduce(magnitude.div_(_expanded(nonzero_or_one(peak), segments)), "mean", segments)
 
@@ -34,9 +187,15 @@ def segment_mean_abs(x: torch.Tensor, segments: Segments) -> torch.Tensor:
 def segment_rms(x: torch.Tensor, segments: Segments) -> torch.Tensor:
     """Each segment's root mean square without overflow or underflow, as ``safe_rms`` for one tensor."""
     if x.device.type == "cpu":
-        mean_square = segment_reduce(torch.mul(x, x), "mean", segments)
-        if _plain_is_exact(mean_square):
-            return mean_square.sqrt_()
+        matrix = Matrix.of(segments)
+        if matrix is not None:
+            mean_square = matrix.mean(torch.mul(x, x))
+            if _plain_ok(mean_square):
+                return mean_square.sqrt_()
+        else:
+            mean_square = segment_reduce(torch.mul(x, x), "mean", segments)
+            if _plain_is_exact(mean_square):
+                return mean_square.sqrt_()
     magnitude = x.abs()
     peak = segment_reduce(magnitude, "max", segments)
     scaled = magnitude.div_(_expanded(nonzero_or_one(peak), segments))
@@ -45,7 +204,10 @@ def segment_rms(x: torch.Tensor, segments: Segments) -> torch.Tensor:
 
 def segment_std(x: torch.Tensor, segments: Segments, peak: torch.Tensor) -> torch.Tensor:
     """Each segment's population standard deviation without overflow, as ``safe_std`` (``peak``: each
-    segment's largest magnitude)."""
+    segment's largest magnitude); ``x`` flat, or the :class:`Matrix` view of it where the segments have one."""
+    matrix = Matrix.of(segments)
+    if matrix is not None:
+        return _matrix_std(matrix, x if x.dim() == 2 else x.contiguous(), peak)
     groups = segments.groups
     scaled = groups.rowwise_into(
         lambda target, rows, p: torch.div(rows, p, out=target), [x], [nonzero_or_one(peak)], torch.empty_like(x)
@@ -55,3 +217,12 @@ def segment_std(x: torch.Tensor, segments: Segments, peak: torch.Tensor) -> torc
         lambda target, rows, m: torch.sub(rows, m, out=target).square_(), [scaled], [mean], scaled
     )
     return peak * segment_reduce(centred, "mean", segments).sqrt()
+
+
+def _matrix_std(matrix: Matrix, x: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
+    """:func:`segment_std` on a :class:`Matrix` (``x`` flat or its view), the same bits. A zero peak is a segment of zeros: any nonzero
+    divisor gives its zeros (``nonzero_or_one``'s 1 or the smallest positive number alike)."""
+    tiny = constant(smallest_positive(peak.dtype), peak.dtype, peak.device)
+    scaled = torch.div(matrix.view(x), matrix.column(torch.clamp_min(peak, tiny)))
+    centred = scaled.sub_(matrix.column(matrix.mean(scaled)))
+    return peak * matrix.mean(centred.mul_(centred)).sqrt_()

@@ -16,7 +16,14 @@ from torch.distributed import ProcessGroup
 from gradcomm import comm
 from gradcomm.comm.launcher import Launch, OrderedLauncher
 from gradcomm.compression._numerics import ordered_mean
-from gradcomm.compression.base import Compressor, Payload, RowwiseCompressor, SegmentedCompressor, TensorSpec
+from gradcomm.compression.base import (
+    Compressor,
+    OwnDecoding,
+    Payload,
+    RowwiseCompressor,
+    SegmentedCompressor,
+    TensorSpec,
+)
 from gradcomm.compression.communicators import (
     Communicator,
     Message,
@@ -70,6 +77,14 @@ def _subtracting(
     return residual
 
 
+def _own(ctx: Any, world_size: int) -> torch.Tensor | None:
+    """On one rank, the payload an exchange receives is the one this rank sent: its decoding where the encoding
+    kept it (:class:`~gradcomm.compression.base.OwnDecoding`), else ``None``."""
+    if world_size == 1 and isinstance(ctx, OwnDecoding):
+        return ctx.decoded
+    return None
+
+
 def _all_to_all(rows: torch.Tensor, group: ProcessGroup | None, out: torch.Tensor | None = None) -> Launch:
     """Send row ``j`` of ``rows`` to rank ``j``; the future holds the rows received, one per source rank."""
     return lambda: comm.all_to_all_single(rows, group, out)
@@ -119,7 +134,7 @@ class TwoStageAllreduce(Communicator):
         try:
             payload, ctx = compressor.compress_segments(layout.cut(corrected), layout.rows)
             if memory.enabled:
-                sent = layout.join(compressor.decompress_segments(payload, ctx, layout.rows))
+                sent = layout.join(compressor.decompress_own(payload, ctx, layout.rows))
                 kept = corrected.clone() if corrected is flat and not owned else corrected
                 memory.store_segments(segments, kept.sub_(sent))
         except BaseException:
@@ -150,18 +165,27 @@ class TwoStageAllreduce(Communicator):
         wire.load(message.payload)
         send = wire.scatter.send
         received = launcher.launch(_all_to_all(send, group, wire.scatter.receive), send.device)
+        reduced: list[Any] = []  # stage 2's ctx, once encoded
 
         def reduce(fut: torch.futures.Future[torch.Tensor]) -> Launch:
             fut.value()
-            decoded = compressor.decompress_segments(wire.scatter.unpack(), ctx, layout.rows)
+            decoded = _own(ctx, world_size)  # one rank: what it received is its own payload
+            if decoded is None:
+                decoded = compressor.decompress_segments(wire.scatter.unpack(), ctx, layout.rows)
             mean = decoded if world_size == 1 else ordered_mean(decoded.view(world_size, -1).unbind(0), world_size)
-            payload, _ = compensated_compress_segments(compressor, server_memory, layout.row, mean, owned=True)
+            payload, server_ctx = compensated_compress_segments(
+                compressor, server_memory, layout.row, mean, owned=True
+            )
+            reduced.append(server_ctx)
             wire.gather.load(payload)
             return _all_gather(wire.gather.send, group, wire.gather.receive)
 
         def decompress(fut: torch.futures.Future[torch.Tensor]) -> list[torch.Tensor]:
             fut.value()
-            return [layout.join(compressor.decompress_segments(wire.gather.unpack(), ctx, layout.rows))]
+            decoded = _own(reduced[0], world_size)
+            if decoded is None:
+                decoded = compressor.decompress_segments(wire.gather.unpack(), ctx, layout.rows)
+            return [layout.join(decoded)]
 
         return launcher.launch_after(received, reduce, send.device).then(decompress)
 

@@ -42,7 +42,8 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
         raise ValueError(f"pack_bits: bits must be an integer in 1..8, got {bits!r}")
-    codes = as_uint8(codes, bits)
+    if codes.dtype != torch.uint8:
+        codes = as_uint8(codes, bits)
     if bits == 8:
         return codes
     length = codes.shape[-1]
@@ -51,7 +52,12 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     aligned = length % 8 == 0 and codes.is_contiguous() and codes.storage_offset() % 8 == 0
     padded = codes if aligned else torch.nn.functional.pad(codes, (0, -length % 8))  # a fresh, aligned copy
     if 8 % bits == 0:
-        lane, multiplier = _gathering_lane(bits)
+        lane, _ = _gathering_lane(bits)
+        multiplier = _multiplier(bits, codes.device)
+        if padded.dim() == 1:  # each lane's top byte, as one strided view: four calls
+            lane_bytes = 8 // bits
+            product = torch.mul(padded.view(lane), multiplier).view(torch.uint8)
+            return product.as_strided((-(-length * bits // 8),), (lane_bytes,), lane_bytes - 1)
         lanes = padded.reshape(*codes.shape[:-1], -1, 8 // bits).view(lane)
         return (lanes * multiplier).view(torch.uint8)[..., -1][..., : -(-length * bits // 8)]
     words = padded.reshape(*codes.shape[:-1], -1, 8).view(torch.int64)
@@ -69,6 +75,14 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 _LANES = {1: torch.int64, 2: torch.int32, 4: torch.int16}
+
+
+@functools.lru_cache(maxsize=16)
+def _multiplier(bits: int, device: torch.device) -> torch.Tensor:
+    """:func:`_gathering_lane`'s multiplier as a 0-d tensor of its lane dtype (a Python number costs four calls
+    more per multiplication; the products wrap alike). Shared: read it, never write it."""
+    lane, multiplier = _gathering_lane(bits)
+    return torch.tensor(multiplier, dtype=lane, device=device)
 
 
 @functools.lru_cache(maxsize=4)
@@ -132,11 +146,16 @@ def as_uint8(codes: torch.Tensor, bits: int = 8) -> torch.Tensor:
     range."""
     if codes.dtype == torch.bool:
         return codes.view(torch.uint8)
-    if codes.is_floating_point():
+    if codes.is_floating_point():  # conversions into new tensors: two calls each, where .to is four
         if bits < 8:
-            return codes.to(torch.int8).view(torch.uint8)
-        codes = codes.to(torch.int16)
-    return codes.to(torch.uint8)
+            return _converted(codes, torch.int8).view(torch.uint8)
+        codes = _converted(codes, torch.int16)
+    return codes if codes.dtype == torch.uint8 else _converted(codes, torch.uint8)
+
+
+def _converted(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` (the same conversion) into a new contiguous tensor."""
+    return torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x)
 
 
 def _field_mask(width: int, spacing: int) -> int:
@@ -188,8 +207,8 @@ def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     row_dtype = _ROW_DTYPES.get(table.shape[1] * table.element_size())
     if row_dtype is None or not table.is_contiguous():
         return table.index_select(0, index)
-    rows = table.view(torch.uint8).view(row_dtype).reshape(-1)
-    return rows.index_select(0, index).view(torch.uint8).view(table.dtype).view(-1, table.shape[1])
+    rows = table.view(row_dtype).view(-1)  # a row is one element of row_dtype
+    return rows.index_select(0, index).view(table.dtype).view(-1, table.shape[1])
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:

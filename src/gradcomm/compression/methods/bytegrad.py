@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from gradcomm.compression._numerics import as_uint8, decode_bits, nonzero_or_one, work_dtype
+from gradcomm.compression._numerics import as_uint8, decode_bits, work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedRowwiseCompressor
 from gradcomm.compression.segment_bits import decode_segments
+from gradcomm.compression.segment_stats import Matrix, constant
 from gradcomm.compression.segments import Segments, as_dtype, segment_reduce
 from gradcomm.compression.two_stage import TwoStageAllreduce
 
@@ -44,45 +45,82 @@ class ByteGrad(
 
     def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
         work = as_dtype(flat, work_dtype(flat.dtype))
-        low = segment_reduce(work, "min", segments)
-        high = segment_reduce(work, "max", segments)
-        # Each segment is scaled by a power of two (exactly) where its range would not do: halved where the
-        # range overflows (max - min beyond the dtype's largest value), times 2**64 where it is so small
-        # (subnormal, say) that 255 / range would overflow. The codes of the scaled segment are the segment's.
-        span = high - low
-        scale = torch.where(torch.isfinite(span), torch.where(span < 2.0**-60, 2.0**64, 1.0), 0.5).to(work.dtype)
-        span = high * scale - low * scale
-        steps_per_unit = torch.where(span > 0, _LEVELS / nonzero_or_one(span), 0.0)  # a constant row: all code 0
-        # The code is the position (x - low) / (high - low) times 255, rounded half up: + 1/2, then truncated by
-        # the integer conversion. x - low is in [0, high - low] (rounding is monotonic), so the code is in
-        # [0, 255] (the product passes 255 by an ulp or two at most).
-        codes = segments.groups.rowwise(
-            lambda rows, s, low_scaled, steps: as_uint8((rows * s).sub_(low_scaled).mul_(steps).add_(0.5)),
-            [work],
-            [scale, low * scale, steps_per_unit],
-            torch.empty(work.shape, dtype=torch.uint8, device=work.device),
-        )
+        matrix = Matrix.of(segments)
+        if matrix is None:
+            low, high = segment_reduce(work, "min", segments), segment_reduce(work, "max", segments)
+        else:
+            rows = matrix.view(work.contiguous())
+            low, high = matrix.extreme(rows, "min"), matrix.extreme(rows, "max")
+        scale, low_scaled, steps_per_unit = _steps(low, high)
+        if matrix is None:
+            per_segment = [low_scaled, steps_per_unit] if scale is None else [scale, low_scaled, steps_per_unit]
+            codes = segments.groups.rowwise(
+                _codes if scale is not None else lambda rows, low, steps: _codes(rows, None, low, steps),
+                [work],
+                per_segment,
+                torch.empty(work.shape, dtype=torch.uint8, device=work.device),
+            )
+        elif scale is None:
+            codes = _codes(rows, None, matrix.column(low_scaled), matrix.column(steps_per_unit)).view(-1)
+        else:
+            columns = (matrix.column(scale), matrix.column(low_scaled), matrix.column(steps_per_unit))
+            codes = _codes(rows, *columns).view(-1)
         return [codes, low, high], None
 
     def decompress_segments(
         self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         codes, low, high = payload
-        position = _positions(low.dtype, low.device)
+        position, complement = _positions(low.dtype, low.device)
         # a convex combination (it cannot overflow) of each segment's 256 code values, then one lookup per code
-        values = as_dtype(low.unsqueeze(1) * (1 - position) + high.unsqueeze(1) * position, segments.dtype)
+        values = torch.mul(low.view(-1, 1), complement).add_(torch.mul(high.view(-1, 1), position))
+        values = as_dtype(values, segments.dtype)
         groups = segments.groups
-        if len(segments) == 1 or segments.chunks is not None or len(groups.runs) > 16:
-            return decode_segments(codes, segments, 8, values)
-        out = torch.empty(segments.numel, dtype=segments.dtype, device=codes.device)
+        if Matrix.of(segments) is not None or len(groups.runs) > 16:
+            return decode_segments(codes, segments, 8, values, out)
+        usable = out is not None and out.is_contiguous() and out.numel() == segments.numel and out.dtype == values.dtype
+        out = out.view(-1) if usable else torch.empty(segments.numel, dtype=segments.dtype, device=codes.device)
         tables = groups.per_run(values)
         for rows_out, rows, table in zip(groups.rows(out), groups.rows(codes), tables, strict=True):
             rows_out.copy_(decode_bits(rows, 8, rows.shape[1], table))
         return out
 
 
+def _steps(low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Per segment: the power of two it is scaled by, its minimum scaled, and code steps per unit of the scaled
+    segment. Each segment is scaled by a power of two (exactly) where its range would not do: halved where the
+    range overflows (max - min beyond the dtype's largest value, or NaN), times 2**64 where it is so small
+    (subnormal, zero) that 255 / range would overflow. The codes of the scaled segment are the segment's.
+    On the CPU, where every range is fine (checked on the host), no scale at all (``None``): the same codes."""
+    dtype, device = low.dtype, low.device
+    span = torch.sub(high, low)
+    levels = constant(float(_LEVELS), dtype, device)
+    small_span, large_span = constant(2.0**-60, dtype, device), constant(torch.finfo(dtype).max, dtype, device)
+    if device.type == "cpu" and torch.equal(torch.clamp(span, min=small_span, max=large_span), span):
+        return None, low, torch.reciprocal(span).mul_(levels)  # 255 / span, as torch divides a number
+    small = torch.where(torch.lt(span, small_span), constant(2.0**64, dtype, device), constant(1.0, dtype, device))
+    scale = torch.where(torch.le(span, large_span), small, constant(0.5, dtype, device))
+    low_scaled = torch.mul(low, scale)
+    span = torch.mul(high, scale).sub_(low_scaled)
+    per_unit = torch.reciprocal(span).mul_(levels)  # a constant segment: all code 0
+    zero = constant(0.0, dtype, device)
+    return scale, low_scaled, torch.where(torch.gt(span, zero), per_unit, zero)
+
+
+def _codes(
+    rows: torch.Tensor, scale: torch.Tensor | None, low_scaled: torch.Tensor, steps: torch.Tensor
+) -> torch.Tensor:
+    """The code is the position (x - low) / (high - low) times 255, rounded half up: + 1/2, then truncated by the
+    integer conversion. x - low is in [0, high - low] (rounding is monotonic), so the code is in [0, 255] (the
+    product passes 255 by an ulp or two at most)."""
+    half = constant(0.5, rows.dtype, rows.device)
+    shifted = torch.sub(rows, low_scaled) if scale is None else torch.mul(rows, scale).sub_(low_scaled)
+    return as_uint8(shifted.mul_(steps).add_(half))
+
+
 @functools.lru_cache(maxsize=16)
-def _positions(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Code ``c``'s place between a row's minimum and maximum, ``c / 255``. Made once per dtype and device and
-    shared: read it, never write it."""
-    return torch.arange(_LEVELS + 1, dtype=dtype, device=device) / _LEVELS
+def _positions(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Code ``c``'s place between a row's minimum and maximum, ``c / 255``, and ``1 -`` that. Made once per dtype
+    and device and shared: read them, never write them."""
+    position = torch.arange(_LEVELS + 1, dtype=dtype, device=device) / _LEVELS
+    return position, 1 - position

@@ -16,9 +16,14 @@ from typing import Any
 import torch
 
 from gradcomm.compression._numerics import work_dtype
-from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedCompressor
+from gradcomm.compression.base import ErrorFeedback, OwnDecoding, Payload, SegmentedCompressor
 from gradcomm.compression.communicators import ALLGATHER
-from gradcomm.compression.segment_bits import pack_scaled_signs, scaled_signs_layout, unpack_scaled_signs
+from gradcomm.compression.segment_bits import (
+    decode_scaled_signs,
+    encode_scaled_signs,
+    scaled_signs_layout,
+    unpack_scaled_signs,
+)
 from gradcomm.compression.segment_stats import segment_mean_abs
 from gradcomm.compression.segments import Segments, as_dtype
 
@@ -35,11 +40,16 @@ class EFSignSGD(SegmentedCompressor, name="efsign", summary="scaled sign with er
     def payload_layout(self, lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
         return scaled_signs_layout(lengths, dtype)
 
-    def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
+    def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, OwnDecoding]:
         scales = segment_mean_abs(as_dtype(flat, work_dtype(flat.dtype)), segments)
-        return pack_scaled_signs(flat, segments, scales), None
+        payload, signs = encode_scaled_signs(flat, segments, scales)
+        return payload, OwnDecoding(signs)
 
     def decompress_segments(
         self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return unpack_scaled_signs(payload, segments)
+        return unpack_scaled_signs(payload, segments, out)
+
+    def decompress_own(self, payload: Payload, ctx: OwnDecoding, segments: Segments) -> torch.Tensor:
+        ctx.decoded = decode_scaled_signs(ctx.state, payload[1], segments)
+        return ctx.decoded

@@ -29,11 +29,18 @@ from typing import Any
 
 import torch
 
-from gradcomm.compression._numerics import NOISE_SCALE, as_uint8, nonzero_or_one, work_dtype
+from gradcomm.compression._numerics import as_uint8, work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompressor, SegmentedCompressor
 from gradcomm.compression.communicators import ALLGATHER
-from gradcomm.compression.segment_bits import decode_segments, pack_segments, packed_lengths
-from gradcomm.compression.segment_noise import segment_noise
+from gradcomm.compression.segment_bits import (
+    byte_table,
+    decode_segments,
+    lookup_bytes,
+    pack_segments,
+    packed_lengths,
+)
+from gradcomm.compression.segment_noise import add_noise_, segment_noise
+from gradcomm.compression.segment_stats import constant, smallest_positive
 from gradcomm.compression.segments import Segments, as_dtype
 
 __all__ = ["QSGD"]
@@ -78,25 +85,42 @@ class QSGD(RandomizedCompressor, SegmentedCompressor, name="qsgd", summary="QSGD
     def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
         padded = segments.padded(self.bucket_size)
         buckets = padded.pad(as_dtype(flat, work_dtype(flat.dtype))).view(-1, self.bucket_size)
+        dtype, device = buckets.dtype, buckets.device
         # The norm as safe_norm computes it (peak * ||x / peak||), its parts reused: x / norm is
         # (x / peak) / ||x / peak||, and ||x / peak|| >= 1 (its peak element is +-1) or 0 (a bucket of zeros).
-        peak = torch.maximum(buckets.amax(dim=1, keepdim=True), buckets.amin(dim=1, keepdim=True).neg_())
-        relative = buckets / nonzero_or_one(peak)
-        relative_norm = relative.norm(dim=1, keepdim=True)
-        norms = (peak * relative_norm).clamp_(max=torch.finfo(buckets.dtype).max)
-        scaled = relative.mul_(self.levels / nonzero_or_one(relative_norm))  # x / norm * levels, in [-levels, levels]
+        # A bucket of zeros may be divided by anything nonzero: the smallest number, or 1 for its norm.
+        peak = torch.maximum(torch.amax(buckets, dim=1, keepdim=True), torch.amin(buckets, dim=1, keepdim=True).neg_())
+        relative = torch.div(buckets, torch.clamp_min(peak, constant(smallest_positive(dtype), dtype, device)))
+        relative_norm = torch.linalg.vector_norm(relative, dim=1, keepdim=True)
+        norms = torch.mul(peak, relative_norm).clamp_(max=torch.finfo(dtype).max)  # a number: a NaN kept as it is
+        # x / norm * levels, in [-levels, levels]; levels / n is 1 / n times levels, as torch divides a number
+        per_level = torch.clamp_min(relative_norm, constant(1.0, dtype, device)).reciprocal_()
+        scaled = relative.mul_(per_level.mul_(constant(float(self.levels), dtype, device)))
         # codes: levels + the level y rounded stochastically, in [0, 2 levels] (levels <= 127)
         noise = segment_noise(self.segment_seeds(segments), segments, self.bucket_size)
-        codes = scaled.view(-1).add_(noise, alpha=NOISE_SCALE).add_(self.levels + 0.5)
+        codes = add_noise_(scaled.view(-1), noise, self.levels + 0.5)
         packed = pack_segments(as_uint8(codes, self._bits), padded.as_segments, self._bits)
-        return [packed, norms.reshape(-1)], None
+        return [packed, norms.view(-1)], None
 
     def decompress_segments(
         self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         packed, norms = payload
         padded = segments.padded(self.bucket_size)
-        fractions = _fractions(self.levels, self._bits, norms.dtype, norms.device)
-        values = decode_segments(packed, padded.as_segments, self._bits, fractions)
-        values = values.view(-1, self.bucket_size).mul_(norms.unsqueeze(1))
-        return as_dtype(padded.unpad(values.view(-1)), segments.dtype)
+        bits = self._bits
+        if 8 % bits == 0 and padded.as_segments.padded(8).aligned:  # one lookup per byte in a table made once
+            table = _byte_fractions(self.levels, bits, norms.dtype, norms.device)
+            usable = padded.aligned and segments.dtype == norms.dtype
+            values = lookup_bytes(packed, table, padded.numel, out if usable else None)
+        else:
+            fractions = _fractions(self.levels, bits, norms.dtype, norms.device)
+            values = decode_segments(packed, padded.as_segments, bits, fractions)
+        values.view(-1, self.bucket_size).mul_(norms.view(-1, 1))
+        return as_dtype(values if padded.aligned else padded.unpad(values), segments.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _byte_fractions(levels: int, bits: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """:func:`_fractions` of every byte's codes (:func:`~gradcomm.compression.segment_bits.byte_table`), made
+    once per setting; read it, never write it."""
+    return byte_table(_fractions(levels, bits, dtype, device), bits)

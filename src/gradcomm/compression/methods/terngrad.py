@@ -23,13 +23,19 @@ from typing import Any
 
 import torch
 
-from gradcomm.compression._numerics import NOISE_SCALE, as_uint8, nonzero_or_one, work_dtype
+from gradcomm.compression._numerics import as_uint8, work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompressor, SegmentedCompressor
 from gradcomm.compression.communicators import ALLGATHER
 from gradcomm.compression.segment_bits import decode_segments, pack_segments, packed_lengths
-from gradcomm.compression.segment_noise import segment_noise
-from gradcomm.compression.segment_stats import segment_std
-from gradcomm.compression.segments import Segments, as_dtype, segment_reduce
+from gradcomm.compression.segment_noise import add_noise_, segment_noise
+from gradcomm.compression.segment_stats import (
+    Matrix,
+    constant,
+    segment_absmax,
+    segment_std,
+    smallest_positive,
+)
+from gradcomm.compression.segments import Segments, as_dtype
 
 __all__ = ["TernGrad"]
 
@@ -61,29 +67,46 @@ class TernGrad(
 
     def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
         work = as_dtype(flat, work_dtype(flat.dtype))
-        scales = segment_reduce(work.abs(), "max", segments)
+        dtype, device = work.dtype, work.device
+        matrix = Matrix.of(segments)
+        if matrix is not None:  # one view for the statistics and the fractions
+            work = matrix.view(work.contiguous())
+            scales = matrix.absmax(work)
+        else:
+            scales = segment_absmax(work, segments)
         if self.clip is not None:
             std = segment_std(work, segments, scales)
             # a constant tensor is not clipped
-            scales = torch.where(std > 0, torch.minimum(self.clip * std, scales), scales)
-        # p = x / scale (a zero scale: all zeros), clipped to +-1 (x to +-scale)
-        clip = self.clip is not None
-        fraction = segments.groups.rowwise_into(
-            lambda target, rows, scale: torch.div(rows, scale, out=target).clamp_(-1, 1) if clip
-            else torch.div(rows, scale, out=target),
-            [work],
-            [nonzero_or_one(scales)],
-            torch.empty_like(work),
-        )
+            clipped = torch.minimum(torch.mul(std, constant(self.clip, dtype, device)), scales)
+            scales = torch.where(torch.gt(std, constant(0.0, dtype, device)), clipped, scales)
+        # p = x / scale (a zero scale: all zeros, which any nonzero divisor keeps), clipped to +-1 (x to +-scale)
+        divisors = torch.clamp_min(scales, constant(smallest_positive(dtype), dtype, device))
+        fraction = _divided(work, divisors, segments, self.clip is not None)
         # codes 0, 1, 2 for -scale, 0, +scale: 1 + p rounded stochastically (for p >= 0, 1 with chance p, else
         # 0; for p < 0, -1 with chance |p|, else 0); noise uniform on [-1/2, 1/2), plus 1/2, then truncated
         noise = segment_noise(self.segment_seeds(segments), segments)
-        codes = fraction.add_(noise, alpha=NOISE_SCALE).add_(1.5)
+        codes = add_noise_(fraction, noise, 1.5)
         return [pack_segments(as_uint8(codes, 2), segments, 2), scales], None
 
     def decompress_segments(
         self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         packed, scales = payload
-        tables = as_dtype(_ternary(scales.dtype, scales.device) * scales.unsqueeze(1), segments.dtype)
-        return decode_segments(packed, segments, 2, tables)
+        tables = as_dtype(torch.mul(_ternary(scales.dtype, scales.device), scales.view(-1, 1)), segments.dtype)
+        return decode_segments(packed, segments, 2, tables, out)
+
+
+def _divided(work: torch.Tensor, divisors: torch.Tensor, segments: Segments, clip: bool) -> torch.Tensor:
+    """``work / divisor`` of its segment (clipped to ``[-1, 1]``), flat, in a new tensor; ``work``: flat, or the
+    segments' :class:`~gradcomm.compression.segment_stats.Matrix` view of it where they have one."""
+    matrix = Matrix.of(segments)
+    if matrix is not None:  # work is its view
+        fraction = torch.div(work, matrix.column(divisors))
+        return (fraction.clamp_(-1, 1) if clip else fraction).view(-1)  # numbers: a NaN kept as it is
+    return segments.groups.rowwise_into(
+        lambda target, rows, scale: torch.div(rows, scale, out=target).clamp_(-1, 1) if clip
+        else torch.div(rows, scale, out=target),
+        [work],
+        [divisors],
+        torch.empty_like(work),
+    )
