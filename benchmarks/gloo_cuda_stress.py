@@ -8,7 +8,8 @@ end a step with a different averaged gradient under ``quantize_per_tensor``, ``q
 many times: each iteration hands one small bucket (1-3 tensors of 1-24 elements, float64 or float32, values
 that differ by rank) to a hook, waits for its future and compares the result across ranks (as CPU tensors,
 gathered over the same group). It also checks ``gradcomm.comm.all_gather_into_tensor`` alone against the
-inputs gathered as CPU tensors. Modes: ``eager`` (as a DDP hands buckets); ``synchronized``
+inputs gathered as CPU tensors. Modes: ``overlapped`` (four buckets handed over before the first is waited for, as a DDP's backward
+does), ``eager`` (one bucket at a time); ``synchronized``
 (``torch.cuda.synchronize()`` before each hook call and before reading its result), which tells a race
 between streams from a fault in the exchange itself. It prints, per mode and hook, the iterations whose
 results differed between ranks. Needs a GPU; every rank uses GPU 0.
@@ -26,6 +27,11 @@ from gradcomm.comm import collectives
 from gradcomm.hooks.grad_bucket import GradBucket
 from gradcomm.hooks.registry import make_comm_hook
 from gradcomm.testing import run_on_ranks
+
+
+_IN_FLIGHT = 4
+"""Buckets handed to a hook before the first is waited for, in the ``overlapped`` mode (as a DDP's backward
+launches several buckets' hooks while earlier ones are still in flight)."""
 
 
 def _bucket(generator: torch.Generator, rank: int, device: torch.device) -> GradBucket:
@@ -71,6 +77,14 @@ def _stress(
                     dist.all_gather(expected, bucket.buffer().cpu())
                     if not torch.equal(out.cpu(), torch.cat(expected)):
                         bad.append(i)
+            elif mode == "overlapped":
+                hook, state = make_comm_hook(name, process_group=dist.group.WORLD)
+                for i in range(0, iterations, _IN_FLIGHT):
+                    buckets = [_bucket(generator, rank, device) for _ in range(_IN_FLIGHT)]
+                    futures = [hook(state, bucket) for bucket in buckets]
+                    for offset, future in enumerate(futures):
+                        if not _same_on_every_rank(future.wait()):
+                            bad.append(i + offset)
             else:
                 hook, state = make_comm_hook(name, process_group=dist.group.WORLD)
                 for i in range(iterations):
@@ -93,7 +107,7 @@ def main() -> int:
     parser.add_argument("--hooks", nargs="+",
                         default=["all_gather_into_tensor", "quantize_per_tensor", "quantize_per_channel", "randomk",
                                  "allreduce"])
-    parser.add_argument("--modes", nargs="+", default=["eager", "synchronized"])
+    parser.add_argument("--modes", nargs="+", default=["overlapped", "eager", "synchronized"])
     parser.add_argument("--timeout", type=float, default=240.0)
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
     args = parser.parse_args()
