@@ -26,7 +26,6 @@ or infinity leaves the rank), and :meth:`join` for ranks with different numbers 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -51,6 +50,7 @@ from gradcomm.ddp.torch_compat import (
     NoProcessGroup,
     TorchDDPSurface,
     check_arguments,
+    marked_as_ddp_forward,
     move_to,
     resolve_buffer_sync,
 )
@@ -59,25 +59,6 @@ from gradcomm.hooks import parameter_keys
 from gradcomm.hooks.contract import CommHook
 
 __all__ = ["CHECK_PARAMETERS_EVERY", "DistributedDataParallel", "ParameterMismatchError"]
-
-
-@contextmanager
-def _marked_as_ddp_forward(ddp: DistributedDataParallel) -> Iterator[None]:
-    """torch's marker of a DDP forward in progress (``DistributedDataParallel._active_ddp_module``, which
-    dynamo's DDPOptimizer reads). torch's ``_inside_ddp_forward`` sets it under ``torch._disable_dynamo``,
-    whose first call imports ``torch._dynamo``: about 1.5 CPU-s in every process, compiled or not. Where
-    dynamo is not loaded nothing can be compiling, so the class attribute is set here directly."""
-    if "torch._dynamo" in sys.modules:
-        with ddp._inside_ddp_forward():
-            yield
-        return
-    marked = torch.nn.parallel.DistributedDataParallel
-    previous = marked._active_ddp_module
-    marked._active_ddp_module = ddp
-    try:
-        yield
-    finally:
-        marked._active_ddp_module = previous
 
 
 class ParameterMismatchError(GradcommError, ValueError, RuntimeError):
@@ -329,7 +310,7 @@ class DistributedDataParallel(TorchDDPSurface):
         self._broadcast_buffers(source)
         if self._input_device is not None:
             inputs, kwargs = move_to(inputs, self._input_device), move_to(kwargs, self._input_device)
-        with _marked_as_ddp_forward(self):
+        with marked_as_ddp_forward(self):
             output = self.module(*inputs, **kwargs)
         if synchronise and self.require_backward_grad_sync:  # Lightning turns it off inside manual optimization
             self._reducer.prepare_for_backward(output)

@@ -12,15 +12,18 @@ class without running its ``__init__`` (no C++ reducer is ever built), and this 
 * the constructor-argument rules of torch 2.13: :func:`check_arguments` (with
   :func:`refuse_unsupported_arguments`: one :class:`UnsupportedArgumentError` naming the argument and what to
   do instead) and :func:`resolve_buffer_sync` (``broadcast_buffers``' deprecation in favour of
-  ``forward_sync_buffers``); :func:`move_to`, torch's move of the inputs to the device.
+  ``forward_sync_buffers``); :func:`move_to`, torch's move of the inputs to the device;
+* :func:`marked_as_ddp_forward`, torch's marker of a DDP forward in progress.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, NoReturn
 
 import torch
@@ -38,6 +41,7 @@ __all__ = [
     "UnsupportedArgumentError",
     "UnsupportedTorchMethodError",
     "check_arguments",
+    "marked_as_ddp_forward",
     "move_to",
     "refuse_unsupported_arguments",
     "resolve_buffer_sync",
@@ -362,3 +366,22 @@ def _refusal(name: str, advice: str) -> Any:
 for _name, _advice in _REFUSED.items():
     setattr(TorchDDPSurface, _name, _refusal(_name, _advice))
 del _name, _advice
+
+
+@contextmanager
+def marked_as_ddp_forward(ddp: torch.nn.parallel.DistributedDataParallel) -> Iterator[None]:
+    """torch's marker of a DDP forward in progress (``DistributedDataParallel._active_ddp_module``, which
+    dynamo's DDPOptimizer reads). torch's ``_inside_ddp_forward`` sets it under ``torch._disable_dynamo``,
+    whose first call imports ``torch._dynamo``: about 1.5 CPU-s in every process, compiled or not. Where
+    dynamo is not loaded nothing can be compiling, so the class attribute is set here directly."""
+    if "torch._dynamo" in sys.modules:
+        with ddp._inside_ddp_forward():
+            yield
+        return
+    marked = torch.nn.parallel.DistributedDataParallel
+    previous = marked._active_ddp_module
+    marked._active_ddp_module = ddp
+    try:
+        yield
+    finally:
+        marked._active_ddp_module = previous
