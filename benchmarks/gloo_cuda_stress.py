@@ -28,7 +28,6 @@ from gradcomm.hooks.grad_bucket import GradBucket
 from gradcomm.hooks.registry import make_comm_hook
 from gradcomm.testing import run_on_ranks
 
-
 _IN_FLIGHT = 4
 """Buckets handed to a hook before the first is waited for, in the ``overlapped`` mode (as a DDP's backward
 launches several buckets' hooks while earlier ones are still in flight)."""
