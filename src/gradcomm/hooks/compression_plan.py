@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from gradcomm.compression._numerics import ordered_mean
