@@ -1,6 +1,7 @@
 """How the compression hook lays out one bucket: which of its gradients are compressed and which go dense
 (:class:`_Plan`, made once per bucket layout), how each part is copied out of the bucket and written back
-(:class:`_Part`: a slice where contiguous, else strided groups of runs or one gather), and the buffers a
+(:class:`_Part`: a slice where contiguous, else one concatenation of its runs out, and strided groups of runs
+or one index back in), and the buffers a
 layout reuses every step (:class:`_Workspace`: the compressed part's copy, the decoded mean and one
 :class:`~gradcomm.compression.wire.Wire` per communicator), so that a step makes no new bucket-sized tensor.
 """
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from gradcomm.compression._numerics import ordered_mean
 from gradcomm.compression.communicators import Communicator
@@ -31,15 +33,45 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 _MAX_GROUPS = 8
-"""A part of a bucket in at most this many strided groups of runs is copied group by group (memory speed, a
-few calls per group); in more, by one gather with an index."""
+"""A part of a bucket in at most this many strided groups of runs is written back group by group (memory
+speed, a call per group); in more, by one scatter with an index (a call, but several times slower per element
+than a copy on the CPU: torch has no scatter of runs at memory speed). Copying a part out is one
+concatenation of its runs, whatever their number."""
 
 _SMALL_PART = 1 << 16
-"""A part of at most this many elements in more groups than one is copied by one gather with an index: its
-index costs less than a call per group (a bucket's biases and norms, between its weights)."""
+"""A part of at most this many elements in more groups than one is written back by one scatter with an index:
+its index costs less than a call per group (a bucket's biases and norms, between its weights)."""
+
+_GRAIN_SIZE = 32768
+"""torch's ``at::internal::GRAIN_SIZE``: a CPU concatenation of fewer elements, or on one thread, runs its serial
+kernel (one call); of more on several threads, it narrows its output once per input (three calls each)."""
 
 _KEPT_PIECES = 4
 """How many tensors' pieces a :class:`_Part` keeps (its workspace, a residual, a wire's slot)."""
+
+
+def _concatenated_in_one_call(into: torch.Tensor) -> bool:
+    """Whether ``torch.cat(..., out=into)`` of contiguous runs is one call: on a GPU (one kernel per batch of
+    runs), or on the CPU where it runs its serial kernel (see :data:`_GRAIN_SIZE`; floating values)."""
+    if into.device.type == "cuda":
+        return True
+    return (
+        into.device.type == "cpu"
+        and into.is_floating_point()
+        and (into.numel() < _GRAIN_SIZE or torch.get_num_threads() == 1)
+    )
+
+
+def _same_memory(kept: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether ``values`` is the tensor ``kept`` (held, so its memory is no other storage's) in another
+    object: the same elements of the same storage."""
+    return (
+        values.data_ptr() == kept.data_ptr()
+        and values.untyped_storage().data_ptr() == kept.untyped_storage().data_ptr()
+        and values.dtype == kept.dtype
+        and values.shape == kept.shape
+        and values.stride() == kept.stride()
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,19 +80,25 @@ class _Part:
 
     The gradients' contiguous runs in the buffer are grouped into runs of one length at one stride (a layer
     repeated in every block, a weight between two biases): each group is one strided view of the buffer, so
-    the part is gathered and written back in a few calls per group, whatever the number of gradients. The
-    part's segments follow the groups' order (not necessarily the bucket's)."""
+    the part is written back in a call per group (or one scatter), whatever the number of gradients; it is
+    copied out in one call, a concatenation of its runs' views (made once per buffer). The part's segments
+    follow the groups' order (not necessarily the bucket's)."""
 
     segments: Segments
     groups: tuple[tuple[int, int, int, int], ...]
     """``(count, length, stride, start)`` of each group of runs."""
     index: torch.Tensor | None
     """Each element's place in the buffer, where there are more than :data:`_MAX_GROUPS` groups, or more than
-    one and at most :data:`_SMALL_PART` elements."""
+    one and at most :data:`_SMALL_PART` elements: to write the part back (and add it to a residual)."""
     _kept: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list, repr=False)
     """The pieces of tensors used every step (most recent first), made once."""
-    _buffer_views: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list, repr=False)
-    """The bucket's buffer last seen, and its views."""
+    _buffer_views: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = field(
+        default_factory=list, repr=False
+    )
+    """The bucket's buffer last seen, its groups' views and its runs' views."""
+    _last_put: list[tuple[StorageWeakRef, int]] = field(default_factory=list, repr=False)
+    """Where the values last written back lay (their storage, held weakly, and address): values written back
+    from the same place twice are a workspace of the caller's, whose pieces are then kept."""
 
     @classmethod
     def of(cls, positions: list[int], keys: Sequence[Key], shapes: Sequence[torch.Size], buffer: torch.Tensor) -> _Part:
@@ -101,33 +139,39 @@ class _Part:
             return start, start + length
         return None
 
-    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """Each group's strided view of the bucket's ``buffer``, kept for the buffer last seen (a bucket's
-        buffer is the same tensor every step)."""
+    def _views(self, buffer: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each group's strided view of the bucket's ``buffer`` and each run's flat one, in the part's order,
+        kept for the buffer last seen (a bucket's buffer is the same tensor every step)."""
         if self._buffer_views:
-            seen, views = self._buffer_views[0]
+            seen, views, runs = self._buffer_views[0]
             start = self.groups[0][3]
             if seen is buffer and views[0].data_ptr() == buffer.data_ptr() + start * buffer.element_size():
-                return views
+                return views, runs
         offset = buffer.storage_offset()
         views = [
             buffer.as_strided((count, length), (stride, 1), offset + start)
             for count, length, stride, start in self.groups
         ]
-        self._buffer_views[:] = [(buffer, views)]
-        return views
+        runs = [
+            buffer.as_strided((length,), (1,), offset + start + k * stride)
+            for count, length, stride, start in self.groups
+            for k in range(count)
+        ]
+        self._buffer_views[:] = [(buffer, views, runs)]
+        return views, runs
 
     def release(self) -> None:
         """Drop the views kept (and so the tensors they hold)."""
         self._kept.clear()
         self._buffer_views.clear()
+        self._last_put.clear()
 
     def pieces(self, values: torch.Tensor, keep: bool = False) -> list[torch.Tensor]:
         """Flat ``values`` (laid out as the part's segments) as one ``(count, length)`` view per group, to
         copy to or from the buffer's views. ``keep``: ``values`` is used every step (a workspace, a residual,
         a wire's slot), so its pieces are made once and kept."""
         for tensor, pieces in self._kept:
-            if tensor is values:
+            if tensor is values or _same_memory(tensor, values):
                 return pieces
         if values.is_contiguous():  # one call per group
             pieces, offset = [], values.storage_offset()
@@ -158,20 +202,23 @@ class _Part:
     def write_into(
         self, buffer: torch.Tensor, into: torch.Tensor, divisor: torch.Tensor | None = None, keep: bool = True
     ) -> None:
-        """Copy the part's values into flat ``into`` (divided by ``divisor`` where given), each group in one
-        pass (where reshaping a strided view and concatenating copied twice); ``keep``: ``into`` is used
+        """Copy the part's values into flat ``into`` (divided by ``divisor`` where given): one concatenation
+        of the runs' views, at memory speed (where a gather by index is several times slower per element,
+        and a copy per group costs a call each), then one division in place. Group by group in one pass
+        instead where that is fewer calls (several CPU threads, see :data:`_GRAIN_SIZE`; one group, divided)
+        or ``into`` has another dtype (divided before it is rounded to it). ``keep``: ``into`` is used
         every step (see :meth:`pieces`)."""
-        if self.index is not None:
-            if divisor is None:
-                torch.index_select(buffer, 0, self.index, out=into)
-            else:
-                torch.div(buffer.index_select(0, self.index), divisor, out=into)
+        grouped = not _concatenated_in_one_call(into) or into.dtype != buffer.dtype
+        if grouped or (divisor is not None and len(self.groups) == 1):
+            for view, piece in zip(self._views(buffer)[0], self.pieces(into, keep), strict=True):
+                if divisor is None:
+                    piece.copy_(view)
+                else:
+                    torch.div(view, divisor, out=piece)
             return
-        for view, piece in zip(self._views(buffer), self.pieces(into, keep), strict=True):
-            if divisor is None:
-                piece.copy_(view)
-            else:
-                torch.div(view, divisor, out=piece)
+        torch.cat(self._views(buffer)[1], out=into)
+        if divisor is not None:
+            into.div_(divisor)
 
     def add_into(self, values: torch.Tensor, buffer: torch.Tensor) -> None:
         """Add the part's values in ``buffer`` to the flat ``values`` (laid out as the part's segments; a
@@ -179,7 +226,7 @@ class _Part:
         if self.index is not None:
             values.add_(buffer.index_select(0, self.index))
             return
-        for view, piece in zip(self._views(buffer), self.pieces(values, keep=True), strict=True):
+        for view, piece in zip(self._views(buffer)[0], self.pieces(values, keep=True), strict=True):
             piece.add_(view)
 
     def put(self, buffer: torch.Tensor, values: torch.Tensor, keep: bool = False) -> None:
@@ -191,10 +238,20 @@ class _Part:
             if values.data_ptr() != buffer.data_ptr() + span[0] * buffer.element_size():
                 buffer[span[0] : span[1]].copy_(values)
         elif self.index is not None:
-            buffer.index_copy_(0, self.index, values)
+            buffer.scatter_(0, self.index, values)  # a call fewer than index_copy_, and faster on the CPU
         else:
-            for view, piece in zip(self._views(buffer), self.pieces(values, keep), strict=True):
+            keep = keep or self._put_again(values)
+            for view, piece in zip(self._views(buffer)[0], self.pieces(values, keep), strict=True):
                 view.copy_(piece)
+
+    def _put_again(self, values: torch.Tensor) -> bool:
+        """Whether ``values`` lie where the values last written back lay, their memory held since (a
+        caller's workspace, in a new tensor object every step: its pieces are worth keeping); where a new
+        tensor is written back every step, nothing is kept, so nothing holds its memory."""
+        place = (StorageWeakRef(values.untyped_storage()), values.data_ptr())
+        last = self._last_put[0] if self._last_put else None
+        self._last_put[:] = [place]
+        return last is not None and not last[0].expired() and last[0] == place[0] and last[1] == place[1]
 
 
 @dataclass(frozen=True, eq=False)
