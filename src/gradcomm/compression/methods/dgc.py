@@ -54,6 +54,7 @@ from gradcomm.compression.communicators import ALLGATHER
 from gradcomm.compression.memory import ResidualMemory
 from gradcomm.compression.methods.topk import SparseSegments
 from gradcomm.compression.segment_sparse import segment_topk
+from gradcomm.compression.segment_stats import constant
 from gradcomm.compression.segments import Segments
 
 __all__ = ["DGC"]
@@ -89,14 +90,6 @@ class DGC(SparseSegments, name="dgc", summary="Deep Gradient Compression: moment
         """Number of coordinates sent of a tensor of ``numel`` elements."""
         return min(numel, max(1, math.ceil(self.ratio * numel)))
 
-    def _factor(self, like: torch.Tensor) -> torch.Tensor:
-        """The momentum as a 0-d tensor of ``like``'s dtype and device (cached): a Python number costs four more
-        torch calls (its conversion) every step, the same product."""
-        factor = self.__dict__.get("_momentum_tensor")
-        if factor is None or factor.dtype != like.dtype or factor.device != like.device:
-            factor = self.__dict__["_momentum_tensor"] = torch.tensor(self.momentum, dtype=like.dtype, device=like.device)
-        return factor
-
     def stream(self, key: Hashable) -> contextlib.AbstractContextManager[None]:
         """Scope in which :meth:`compress` reads and updates the buffers of the tensor ``key``: the context
         variable :class:`~gradcomm.compression.base.RandomizedCompressor` sets, so each thread sees its own."""
@@ -116,7 +109,7 @@ class DGC(SparseSegments, name="dgc", summary="Deep Gradient Compression: moment
                 if u is None or self.momentum == 0:
                     both[0].copy_(flat)
                 else:
-                    both[0].copy_(u).mul_(self._factor(flat)).add_(flat)
+                    both[0].copy_(u).mul_(constant(self.momentum, flat.dtype, flat.device)).add_(flat)
                 if v is None:
                     both[1].copy_(both[0])
                 else:
@@ -126,7 +119,7 @@ class DGC(SparseSegments, name="dgc", summary="Deep Gradient Compression: moment
                 if self.momentum == 0:
                     u.copy_(flat)
                 else:
-                    u.mul_(self._factor(u)).add_(flat)
+                    u.mul_(constant(self.momentum, u.dtype, u.device)).add_(flat)
                 v.add_(u)
             indices = segment_topk(v, self.budget(segments))
             payload = self.payload(v, indices, segments)

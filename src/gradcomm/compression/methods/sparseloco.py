@@ -51,6 +51,7 @@ from gradcomm.compression.communicators import ALLGATHER
 from gradcomm.compression.memory import ResidualMemory
 from gradcomm.compression.segment_bits import decode_segments, pack_segments, packed_lengths
 from gradcomm.compression.segment_sparse import Budget
+from gradcomm.compression.segment_stats import constant
 from gradcomm.compression.segments import _BLOCK, Segments, _block_sums, as_dtype
 
 __all__ = ["SparseLoCo"]
@@ -136,21 +137,13 @@ class SparseLoCo(
             return self._encode(flat, segments)[0], None
         held = self._accumulation.held_segments(segments, flat)
         try:  # e = beta e + x, in place; a failure midway drops the accumulator (as error feedback does)
-            accumulated = flat.clone() if held is None else held.mul_(self._decay(held)).add_(flat)
+            accumulated = flat.clone() if held is None else held.mul_(constant(self.ef_decay, held.dtype, held.device)).add_(flat)
             payload, indices, sent = self._encode(accumulated, segments)
             self._accumulation.store_segments(segments, accumulated.index_add_(0, indices, sent, alpha=-1))
         except BaseException:
             self._accumulation.discard_segments(segments)
             raise
         return payload, None
-
-    def _decay(self, like: torch.Tensor) -> torch.Tensor:
-        """``ef_decay`` as a 0-d tensor of ``like``'s dtype and device (cached): a Python number costs four more
-        torch calls (its conversion) every step, the same product."""
-        decay = self.__dict__.get("_decay_tensor")
-        if decay is None or decay.dtype != like.dtype or decay.device != like.device:
-            decay = self.__dict__["_decay_tensor"] = torch.tensor(self.ef_decay, dtype=like.dtype, device=like.device)
-        return decay
 
     def _rows(self, segments: Segments) -> _Rows:
         """The chunks of ``segments`` as rows (cached per layout, chunk and ratio)."""
