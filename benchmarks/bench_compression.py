@@ -64,6 +64,7 @@ from gradcomm.compression.registry import methods
 from gradcomm.hooks.grad_bucket import GradBucket
 from gradcomm.hooks.registry import make_comm_hook
 from gradcomm.testing import run_on_ranks
+from gradcomm.testing.op_count import workload_bucket
 
 BASELINE = "allreduce"
 
@@ -122,20 +123,8 @@ CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time, "process": time
 
 
 def _one_bucket(workload_name: str, device: str = "cpu") -> GradBucket:
-    """All the workload's gradients of one training batch, as one bucket. Real gradients, not random values:
-    the compressors' data-dependent work (top-k's sampled threshold) depends on their structure, and on
-    random values top-k's selection had looked half as costly as in training."""
-    workload = WORKLOADS[workload_name](device=device)
-    torch.manual_seed(0)
-    model = workload.build_model()
-    inputs, target = workload.batch(0, 0)
-    workload.loss(model(inputs), target).backward()
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    lengths = [p.numel() for p in parameters]
-    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
-    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
-    buffer = torch.cat([g.reshape(-1) for g in grads]).detach()
-    return GradBucket(0, buffer, offsets, lengths, [p.shape for p in parameters], parameters, is_last=True)
+    """All the workload's gradients of one training batch, as one bucket (:func:`workload_bucket`)."""
+    return workload_bucket(workload_name, device)
 
 
 def _refill(bucket: GradBucket, gradients: torch.Tensor) -> None:

@@ -435,21 +435,9 @@ random-k 46 / 44 -> 41 / 40, signSGD 64 / 61 -> 60 / 58, SparseLoCo 273 / 275 ->
 
 def _model_bucket(name: str):
     """All the workload's gradients of one batch as one bucket (as ``benchmarks/bench_compression.py``)."""
-    from gradcomm.bench.workloads import WORKLOADS
-    from gradcomm.hooks.grad_bucket import GradBucket
+    from gradcomm.testing.op_count import workload_bucket
 
-    workload = WORKLOADS[name]()
-    torch.manual_seed(0)
-    model = workload.build_model()
-    inputs, target = workload.batch(0, 0)
-    workload.loss(model(inputs), target).backward()
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    lengths = [p.numel() for p in parameters]
-    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
-    return GradBucket(
-        0, torch.cat([g.reshape(-1) for g in grads]).detach(), [sum(lengths[:i]) for i in range(len(lengths))],
-        lengths, [p.shape for p in parameters], parameters, is_last=True,
-    )
+    return workload_bucket(name)
 
 
 def _model_counts(workloads: list[str], names: list[str]) -> dict[str, dict[str, int]]:

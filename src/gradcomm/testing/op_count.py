@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
 
 from gradcomm.hooks.grad_bucket import GradBucket
 
-__all__ = ["count_aten_calls", "hook_calls", "many_tensor_bucket"]
+__all__ = ["count_aten_calls", "hook_calls", "many_tensor_bucket", "workload_bucket"]
 
 
 def count_aten_calls(fn: Callable[[], Any]) -> int:
@@ -71,3 +71,23 @@ def many_tensor_bucket(
     buffer = torch.cat([gradient.reshape(-1) for gradient in gradients]).to(device)
     parameters = [torch.nn.Parameter(torch.empty(shape, device=device)) for shape in shapes]
     return GradBucket(0, buffer, offsets, lengths, shapes, parameters, is_last=True)
+
+
+def workload_bucket(workload_name: str, device: torch.device | str = "cpu") -> GradBucket:
+    """All the gradients of one training batch of a bench workload (``gradcomm.bench.workloads``), as one
+    bucket. Real gradients, not random values: the compressors' data-dependent work (top-k's sampled
+    threshold) depends on their structure, and on random values top-k's selection had looked half as costly
+    as in training."""
+    from gradcomm.bench.workloads import WORKLOADS
+
+    workload = WORKLOADS[workload_name](device=device)
+    torch.manual_seed(0)
+    model = workload.build_model()
+    inputs, target = workload.batch(0, 0)
+    workload.loss(model(inputs), target).backward()
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    lengths = [p.numel() for p in parameters]
+    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
+    buffer = torch.cat([g.reshape(-1) for g in grads]).detach()
+    return GradBucket(0, buffer, offsets, lengths, [p.shape for p in parameters], parameters, is_last=True)
