@@ -41,6 +41,12 @@ def unwrap_ddp(model: nn.Module) -> tuple[nn.Module, bool]:
     return model, False
 
 
+def _ddp_group(model: nn.Module) -> ProcessGroup:
+    """The process group a DDP ``model`` averages over (the default group where it names none)."""
+    group = getattr(model, "process_group", None)
+    return group if group is not None else dist.group.WORLD
+
+
 def replica_group(model: nn.Module) -> ProcessGroup | None:
     """The group of a DDP ``model`` (its ranks train one replica together), or ``None`` when the DDP spans a
     single rank.
@@ -51,8 +57,7 @@ def replica_group(model: nn.Module) -> ProcessGroup | None:
     sums in another order would give each a different average, so there too the replica's ranks take its
     first rank's.
     """
-    group = getattr(model, "process_group", None)
-    group = group if group is not None else dist.group.WORLD
+    group = _ddp_group(model)
     return group if dist.get_world_size(group) > 1 else None
 
 
@@ -85,11 +90,6 @@ def across_nodes_group() -> ProcessGroup:
     return mine
 
 
-def _ddp_ranks(model: nn.Module) -> list[int]:
-    group = getattr(model, "process_group", None)
-    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-
-
 def replica_leaders_group(model: nn.Module) -> ProcessGroup | None:
     """The group of the first ranks of the DDPs (each DDP's group one replica, e.g. a host) on such a first
     rank, ``None`` on every other rank; a collective of the default group (one ``all_gather_object`` of each
@@ -99,7 +99,7 @@ def replica_leaders_group(model: nn.Module) -> ProcessGroup | None:
         ValueError: the DDPs' groups do not split the ranks into disjoint replicas (on every rank).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    mine = _ddp_ranks(model)
+    mine = dist.get_process_group_ranks(_ddp_group(model))
     everyone: list[list[int]] = [[] for _ in range(world)]
     dist.all_gather_object(everyone, mine)
     for r, ranks in enumerate(everyone):
