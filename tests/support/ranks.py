@@ -21,6 +21,9 @@ TEST_DEVICE = torch.device(os.environ.get("GRADCOMM_TEST_DEVICE", "cpu"))
 TEST_BACKEND = os.environ.get("GRADCOMM_TEST_BACKEND", "gloo")
 
 DDP_KINDS = ("torch", "gradcomm")
+# what gloo says when a collective outlives the group's timeout: "Timed out ..." on the side that waited, or
+# "Application timeout caused pair closure" when its peer's timeout closed the connection first
+GLOO_TIMEOUT = r"(Timed out|Application timeout caused pair closure)"
 
 
 def make_ddp(kind: str, module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
