@@ -42,7 +42,7 @@ class _PerTensor(Compressor):
 
 
 def test_compile_is_off_by_default_and_checked():
-    assert CompressionState(SignSGD())._codec.__class__ is SignSGD
+    assert CompressionState(SignSGD())._runtime.codec.__class__ is SignSGD
     with pytest.raises(TypeError, match="compile must be True or False, got 'yes'"):
         CompressionState(SignSGD(), compile="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="_PerTensor is not a SegmentedCompressor"):
@@ -56,14 +56,14 @@ def test_a_state_pickled_before_the_option_unpickles_eager():
     del saved["compile"]
     state = CompressionState.__new__(CompressionState)
     state.__setstate__(saved)
-    assert state.compile is False and state._codec is state.compressor
+    assert state.compile is False and state._runtime.codec is state.compressor
 
 
 def test_compile_is_an_option_of_every_compression_hook():
     for name in methods():
         _, state = make_comm_hook(name, compile="true")
-        assert state.compile is True and isinstance(state._codec, CompiledCodec), name
-        assert state._codec.communicator is state.compressor.communicator
+        assert state.compile is True and isinstance(state._runtime.codec, CompiledCodec), name
+        assert state._runtime.codec.communicator is state.compressor.communicator
 
 
 def _counting_backend(graphs: list[Any]) -> Any:
@@ -122,7 +122,7 @@ def _lockstep(names: list[str], backend: str) -> dict[str, Any]:
                 outputs.append(hook(state, bucket).wait().clone())
             if not torch.equal(*outputs):
                 mismatches.append(step)
-        found[name] = (mismatches, compiled[1]._codec.compiled_layouts())
+        found[name] = (mismatches, compiled[1]._runtime.codec.compiled_layouts())
     return found
 
 
@@ -168,7 +168,7 @@ def _resumed(backend: str) -> dict[str, bool]:
         unpickled = pickle.loads(pickle.dumps(back))
         rest = run(unpickled, range(STEPS + 2, 2 * STEPS))
         outcome[name] = (
-            isinstance(unpickled._codec, CompiledCodec)
+            isinstance(unpickled._runtime.codec, CompiledCodec)
             and all(torch.equal(a, b) for a, b in zip(expected[STEPS:], middle + rest, strict=True))
         )
     return outcome

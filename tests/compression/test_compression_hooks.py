@@ -402,7 +402,7 @@ def test_state_pickles_without_process_group_or_caches():
     restored = pickle.loads(pickle.dumps(state))
     assert torch.equal(restored.memory.residuals[0], state.memory.residuals[0])
     assert restored.compressor.state_dict() == state.compressor.state_dict() == {"draws": {0: 1}}
-    assert restored.process_group is None and not restored._compressible
+    assert restored.process_group is None and not restored._runtime.compressible
 
 
 def test_small_and_poorly_compressed_tensors_are_sent_dense():

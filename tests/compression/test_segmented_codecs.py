@@ -644,7 +644,7 @@ def _old_layout_after_a_new_one() -> list[int]:
     hook, state = make_comm_hook("topk", process_group=dist.group.WORLD)
     old, new = many_tensor_bucket(9), many_tensor_bucket(7)
     hook(state, old).wait()
-    [old_plan] = state._plans.values()
+    [old_plan] = state._runtime.plans.values()
     held = [len(old_plan.workspaces), len(old_plan.compressed._buffer_views)]
     hook(state, new).wait()  # the last bucket of an iteration that did not use the old layout
     return [*held, len(old_plan.workspaces), len(old_plan.compressed._buffer_views)]

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from gradcomm.compression import TopK
 from gradcomm.hooks import registry
 from gradcomm.hooks.auto_hook import AutoHookState
+from gradcomm.hooks.compression_hook import CompressionState
 from gradcomm.hooks.fingerprint import describe_state
 from gradcomm.hooks.hierarchical_hook import HierarchicalState
 from gradcomm.hooks.hook_specs import HookSpec, Option, options_of
@@ -120,8 +122,9 @@ def test_an_option_that_sets_up_saved_state_is_not_saved_itself() -> None:
         lambda: PowerSGDState(None, start_powerSGD_iter=5),
         lambda: HierarchicalState(powerSGD_hook, PowerSGDState(None), 2),
         lambda: AutoHookState(candidates="allreduce+fp16_compress"),
+        lambda: CompressionState(TopK(ratio=0.01)),
     ],
-    ids=["powersgd", "hierarchical", "auto"],
+    ids=["powersgd", "hierarchical", "auto", "compression"],
 )
 def test_the_runtime_is_never_saved_and_rebuilt_on_unpickling(make) -> None:
     state = make()
@@ -141,6 +144,13 @@ def test_loading_in_place_rebuilds_caches_and_keeps_groups_and_launchers() -> No
     groups = hierarchical._runtime
     hierarchical.load_state_dict(hierarchical.state_dict())
     assert hierarchical._runtime is groups
+    compression = CompressionState(TopK(ratio=0.01))
+    runtime = compression._runtime
+    runtime.plans[("w",)] = object()
+    compression.memory.load_state_dict({"w": torch.zeros(4)})
+    compression.load_state_dict(compression.state_dict())
+    assert compression._runtime.plans == {} and compression._runtime.check is not None
+    assert compression._runtime.launcher is runtime.launcher
 
 
 # -- checkpoints of the earlier format --------------------------------------------------------------------------

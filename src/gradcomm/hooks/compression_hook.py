@@ -31,6 +31,7 @@ the first step, naming the parameter.
 # No ``from __future__ import annotations``: torch's DDP compares the hook's annotations with real types.
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,6 +53,19 @@ from gradcomm.hooks.parameter_keys import Key, ParameterKeys, SavedKeyCheck
 __all__ = ["CompressionState", "compressed_allreduce_hook"]
 
 _NO_MEMORY = NoMemory()
+
+
+@dataclass
+class _Runtime:
+    """What a compression state holds for this process only, rebuilt by :meth:`CompressionState.reset_runtime`."""
+
+    codec: Any  # the compressor, or its compiled passes (compile=True)
+    check: SavedKeyCheck | None  # a loaded state's check of the first buckets against the saved residuals
+    launcher: OrderedLauncher = field(default_factory=OrderedLauncher)
+    keys: ParameterKeys = field(default_factory=ParameterKeys)
+    compressible: dict[tuple[torch.Size, torch.dtype], bool] = field(default_factory=dict)
+    plans: dict[tuple[Any, ...], _Plan] = field(default_factory=dict)  # per bucket layout: index tensors, workspaces
+    used: set[_Plan] = field(default_factory=set)  # the plans of this iteration's buckets so far
 
 
 class CompressionState(HookState):
@@ -108,34 +122,35 @@ class CompressionState(HookState):
         self.compile = compile
         self.memory: Memory = ResidualMemory() if self.error_feedback else NoMemory()
         self.server_memory = ResidualMemory()
-        self._launcher = OrderedLauncher()
-        self._reset_caches()
+        self.reset_runtime()
 
-    def _reset_caches(self, loaded: bool = False) -> None:
-        self._keys = ParameterKeys()
-        self._compressible: dict[tuple[torch.Size, torch.dtype], bool] = {}
-        self._plans: dict[tuple[Any, ...], _Plan] = {}
-        self._used: set[_Plan] = set()
-        self._codec = fused_codec(self.compressor, self.compile)
+    def reset_runtime(self, loaded: bool = False) -> None:
+        """Forget the keys, plans and workspaces and make the codec (compiled where ``compile``); for a state
+        just ``loaded``, check the next buckets against the saved residuals' shapes. A state loaded in place
+        keeps its launcher (its order goes on)."""
+        existing: _Runtime | None = self.__dict__.get("_runtime")
         residuals = self.memory.state_dict()
-        self._check = (
+        check = (
             SavedKeyCheck("CompressionState", {key: tuple(r.shape) for key, r in residuals.items()})
             if loaded and residuals
             else None
         )
+        codec = fused_codec(self.compressor, self.compile)
+        self._runtime = _Runtime(codec, check) if existing is None else _Runtime(codec, check, existing.launcher)
 
     def keys(self, bucket: dist.GradBucket) -> Sequence[Key]:
         """One key per gradient of ``bucket`` (see :mod:`gradcomm.hooks.parameter_keys`)."""
-        return self._keys.of(bucket)
+        return self._runtime.keys.of(bucket)
 
     def check_loaded(self, bucket: dist.GradBucket, keys: Sequence[Key], gradients: Sequence[Any]) -> None:
         """In the first iteration after loading: refuse residuals that do not fit this model's parameters
         (``gradients``: the gradients, or their shapes)."""
-        if self._check is None:
+        runtime = self._runtime
+        if runtime.check is None:
             return
-        self._check.check_bucket(keys, (g if isinstance(g, torch.Size) else g.shape for g in gradients))
+        runtime.check.check_bucket(keys, (g if isinstance(g, torch.Size) else g.shape for g in gradients))
         if bucket.is_last():
-            check, self._check = self._check, None
+            check, runtime.check = runtime.check, None
             check.end_iteration()
 
     def compresses(self, tensor: torch.Tensor) -> bool:
@@ -149,12 +164,13 @@ class CompressionState(HookState):
         if shape.numel() < max(self.min_numel, 1):
             return False
         signature = (shape, dtype)
-        if signature not in self._compressible:
+        compressible = self._runtime.compressible
+        if signature not in compressible:
             layout = self.compressor.payload_layout((shape.numel(),), dtype)
             payload_bytes = sum(numel * _itemsize(part_dtype) for numel, part_dtype in layout)
             dense_bytes = shape.numel() * _itemsize(dtype)
-            self._compressible[signature] = dense_bytes >= self.min_compression_rate * payload_bytes
-        return self._compressible[signature]
+            compressible[signature] = dense_bytes >= self.min_compression_rate * payload_bytes
+        return compressible[signature]
 
     def plan(self, bucket: dist.GradBucket, keys: Sequence[Key]) -> "_Plan":
         """Which of ``bucket``'s gradients are compressed and which sent dense, with their layouts (kept per
@@ -163,20 +179,22 @@ class CompressionState(HookState):
         parameters = bucket.parameters()
         shapes = tuple(p.shape for p in parameters) if parameters else tuple(g.shape for g in bucket.gradients())
         signature = (tuple(keys), shapes, buffer.dtype, buffer.device)
-        found = self._plans.get(signature)
+        plans = self._runtime.plans
+        found = plans.get(signature)
         if found is None:
-            found = self._plans[signature] = _Plan.of(self, keys, shapes, buffer)
+            found = plans[signature] = _Plan.of(self, keys, shapes, buffer)
         return found
 
     def end_iteration(self, plan: "_Plan", bucket: dist.GradBucket) -> None:
         """Note that ``plan`` was used; after the iteration's last bucket, release the workspaces of the bucket
         layouts it did not use (DDP rebuilt its buckets: they would hold their memory for nothing)."""
-        self._used.add(plan)
+        runtime = self._runtime
+        runtime.used.add(plan)
         if bucket.is_last():
-            for other in self._plans.values():
-                if other not in self._used:
+            for other in runtime.plans.values():
+                if other not in runtime.used:
                     other.release()
-            self._used.clear()
+            runtime.used.clear()
 
     # -- checkpointing: residuals and the compressor's random-stream counters, never the caches ------------
     def _plain_state(self) -> dict[str, Any]:
@@ -190,18 +208,9 @@ class CompressionState(HookState):
         self.memory.load_state_dict(state["memory"])
         self.server_memory.load_state_dict(state["server_memory"])
         self.compressor.load_state_dict(state["compressor"])
-        self._reset_caches(loaded=True)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        for cache in ("_keys", "_compressible", "_plans", "_used", "_launcher", "_check", "_codec"):
-            state.pop(cache, None)
-        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__({"compile": False, **state})  # a pickle from before the option: eager
-        self._launcher = OrderedLauncher()
-        self._reset_caches(loaded=True)
 
 
 def _segmented_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -241,7 +250,7 @@ def _encoded(
     """Each communicator's messages of a bucket, with the part each one's mean is written to, and the
     workspace tensors that a mean may be (whose pieces are kept)."""
     assert isinstance(state.compressor, SegmentedCompressor)
-    compressor = state._codec  # the compressor, or its compiled passes (compile=True)
+    compressor = state._runtime.codec  # the compressor, or its compiled passes (compile=True)
     method = state.compressor.communicator
     buffer = bucket_buffer if bucket_buffer.dim() == 1 else bucket_buffer.view(-1)
     batches: dict[Communicator, list[tuple[_Part, Message]]] = {}
@@ -286,10 +295,10 @@ def _exchanged(
         messages = [message for _, message in items]
         wire = wires.get(communicator) if wires else None
         extra = {} if wire is None else {"wire": wire}
-        futures.append(communicator.exchange(messages, state.process_group, state.server_memory, state._launcher, **extra))
+        futures.append(communicator.exchange(messages, state.process_group, state.server_memory, state._runtime.launcher, **extra))
     result = when_all(futures, bucket.buffer().device).then(assemble)
     if bucket.is_last():  # DDP's own collectives after the last bucket must come after all of the hook's
-        state._launcher.wait_until_launched()
+        state._runtime.launcher.wait_until_launched()
     return result
 
 
