@@ -401,7 +401,7 @@ def test_a_method_that_syncs_every_few_steps_is_summarised_by_means() -> None:
     ("argv", "message"),
     [
         (["--hooks", "allreduce", "warp_drive"], r"unknown communication hook 'warp_drive'.*allreduce"),
-        (["--workload", "resnet9000"], r"unknown workload 'resnet9000'; valid workloads: transformer, cnn"),
+        (["--workload", "resnet9000"], r"unknown workload 'resnet9000'; valid workloads: transformer, transformer-stdlib, cnn"),
         (["--world-size", "0"], r"--world-size must be at least 1, got 0"),
         (["--bandwidth", "fast"], r"fast"),
         (["--hooks", "powersgd:rank"], r"hook option 'rank' in 'powersgd:rank' is not key=value"),
