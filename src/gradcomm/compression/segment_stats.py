@@ -73,62 +73,75 @@ class Matrix:
         return None
 
     @functools.cached_property
-    def _zeros(self) -> torch.Tensor:
-        """float64 zeros, one per segment, that chunks' sums are added to (out of place): read, never written."""
-        return torch.zeros(len(self.segments), dtype=torch.float64, device=self.segments.device)
+    def _counts(self) -> torch.Tensor:
+        """Each segment's number of rows (chunks), the lengths of :func:`torch.segment_reduce` over rows."""
+        return torch.tensor([n // self.length for n in self.segments.lengths], device=self.segments.device)
+
+    @functools.cached_property
+    def _id_column(self) -> torch.Tensor:
+        """Each row's segment as a ``(rows, 1)`` column: a :func:`torch.take` by it is a column already."""
+        assert self.ids is not None
+        return self.ids.view(-1, 1)
+
+    @functools.cached_property
+    def _lengths(self) -> torch.Tensor:
+        """Each segment's length (float64) as a ``(segments, 1)`` column, that its sum is divided by."""
+        return _lengths(self.segments).view(-1, 1)
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         """Contiguous flat ``flat`` as the ``(rows, length)`` matrix (the matrix itself where it is one)."""
         return flat if flat.dim() == 2 else flat.view(self.rows, self.length)
 
     def column(self, per_segment: torch.Tensor) -> torch.Tensor:
-        """Each row's segment's value of flat ``per_segment``, as a ``(rows, 1)`` column."""
+        """Each row's segment's value of ``per_segment`` (flat, or a ``(segments, 1)`` column, as the
+        statistics here return them), as a ``(rows, 1)`` column: itself where a row is a segment."""
         if self.ids is None:
-            return per_segment.view(self.rows, 1)
-        return per_segment.index_select(0, self.ids).view(self.rows, 1)
+            return per_segment if per_segment.dim() == 2 else per_segment.view(self.rows, 1)
+        return torch.take(per_segment, self._id_column)
 
     def _by_segment(self, partial: torch.Tensor, reduce: str) -> torch.Tensor:
-        """Row results ``partial`` reduced by segment (``"amax"``, ``"amin"``): themselves where a row is a segment."""
+        """Row results ``partial`` (a ``(rows, 1)`` column) reduced by segment (``"max"``, ``"min"``, ``"sum"``),
+        in order, as a ``(segments, 1)`` column: themselves where a row is a segment."""
         if self.ids is None:
             return partial
-        out = torch.empty(len(self.segments), dtype=partial.dtype, device=partial.device)
-        return out.scatter_reduce_(0, self.ids, partial, reduce, include_self=False)
+        return torch.segment_reduce(partial, reduce, lengths=self._counts, axis=0, unsafe=True)
 
     def absmax(self, flat: torch.Tensor) -> torch.Tensor:
-        """Each segment's largest magnitude (NaN where it has one; +0 where all are zeros); ``flat`` may be its
-        :meth:`view` already, as for the other statistics. The larger of the row's maximum and its minimum
-        negated: two reading passes, where ``abs`` writes a bucket-sized tensor (and an inf-norm is
-        several times slower on the CPU)."""
+        """Each segment's largest magnitude (NaN where it has one; +0 where all are zeros), as a ``(segments,
+        1)`` column; ``flat`` may be its :meth:`view` already, as for the other statistics. The larger of the
+        row's maximum and its minimum negated (two reading passes, where ``abs`` writes a bucket-sized tensor
+        and an inf-norm is several times slower on the CPU), plus +0 (a -0 of zeros made +0)."""
         rows = self.view(flat)
         peak = torch.maximum(torch.amax(rows, dim=1, keepdim=True), torch.amin(rows, dim=1, keepdim=True).neg_())
-        return self._by_segment(peak.abs_().view(-1), "amax")
+        return self._by_segment(peak, "max").add_(constant(0.0, peak.dtype, peak.device))
 
     def extreme(self, flat: torch.Tensor, reduce: str) -> torch.Tensor:
-        """Each segment's ``"max"`` or ``"min"``."""
-        rows = torch.amax(self.view(flat), dim=1) if reduce == "max" else torch.amin(self.view(flat), dim=1)
-        return self._by_segment(rows, "a" + reduce)
+        """Each segment's ``"max"`` or ``"min"``, as a ``(segments, 1)`` column."""
+        rows = self.view(flat)
+        partial = torch.amax(rows, dim=1, keepdim=True) if reduce == "max" else torch.amin(rows, dim=1, keepdim=True)
+        return self._by_segment(partial, reduce)
 
     def mean(self, flat: torch.Tensor) -> torch.Tensor:
-        """Each segment's mean, the bits of ``segment_reduce(flat, "mean", segments)``: float32 sums of blocks of
-        32 elements added in float64 (a plain row mean where a row is no multiple of 32 long)."""
+        """Each segment's mean as a ``(segments, 1)`` column, the bits of ``segment_reduce(flat, "mean",
+        segments)``: float32 sums of blocks of 32 elements added in float64 (a plain row mean where a row is no
+        multiple of 32 long)."""
         length = self.length
         if length % _BLOCK:
-            return torch.mean(self.view(flat), dim=1)
-        # dimensions kept: a reduction that drops one costs a call more
+            return torch.mean(self.view(flat), dim=1, keepdim=True)
+        # dimensions kept where that costs a call less
         accumulation = torch.float32 if flat.dtype.itemsize < 4 else None
         blocks = torch.sum(flat.view(self.rows, length // _BLOCK, _BLOCK), dim=2, keepdim=True, dtype=accumulation)
         if blocks.dtype != torch.float64:
             wide = torch.empty(blocks.shape, dtype=torch.float64, device=blocks.device)
             blocks = wide.copy_(blocks)
-        sums = torch.sum(blocks, dim=1, keepdim=True)
-        device = flat.device
+        sums = self._by_segment(torch.sum(blocks, dim=1), "sum")
         if self.ids is None:
-            sums.div_(constant(float(length), torch.float64, device))
+            sums.div_(constant(float(length), torch.float64, flat.device))
         else:
-            sums = torch.index_add(self._zeros, 0, self.ids, sums.view(-1)).div_(_lengths(self.segments))
+            sums.div_(self._lengths)
         if flat.dtype != torch.float64:
-            sums = torch.empty(sums.shape, dtype=flat.dtype, device=device).copy_(sums)
-        return sums.view(-1)
+            sums = torch.empty(sums.shape, dtype=flat.dtype, device=flat.device).copy_(sums)
+        return sums
 
 
 @functools.lru_cache(maxsize=8)
@@ -161,7 +174,7 @@ def segment_absmax(x: torch.Tensor, segments: Segments) -> torch.Tensor:
     """Each segment's largest magnitude (``segment_reduce(x.abs(), "max", segments)``)."""
     matrix = Matrix.of(segments)
     if matrix is not None:
-        return matrix.absmax(x.contiguous())
+        return matrix.absmax(x.contiguous()).view(-1)
     return segment_reduce(x.abs(), "max", segments)
 
 
@@ -175,7 +188,7 @@ def segment_mean_abs(x: torch.Tensor, segments: Segments) -> torch.Tensor:
         if matrix is not None:
             mean = matrix.mean(magnitude)
             if _plain_ok(mean):
-                return mean
+                return mean.view(-1)
         else:
             mean = segment_reduce(magnitude, "mean", segments)
             if _plain_is_exact(mean):
@@ -191,7 +204,7 @@ def segment_rms(x: torch.Tensor, segments: Segments) -> torch.Tensor:
         if matrix is not None:
             mean_square = matrix.mean(torch.mul(x, x))
             if _plain_ok(mean_square):
-                return mean_square.sqrt_()
+                return mean_square.sqrt_().view(-1)
         else:
             mean_square = segment_reduce(torch.mul(x, x), "mean", segments)
             if _plain_is_exact(mean_square):
@@ -220,9 +233,11 @@ def segment_std(x: torch.Tensor, segments: Segments, peak: torch.Tensor) -> torc
 
 
 def _matrix_std(matrix: Matrix, x: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
-    """:func:`segment_std` on a :class:`Matrix` (``x`` flat or its view), the same bits. A zero peak is a segment of zeros: any nonzero
-    divisor gives its zeros (``nonzero_or_one``'s 1 or the smallest positive number alike)."""
+    """:func:`segment_std` on a :class:`Matrix` (``x`` flat or its view), the same bits, shaped as ``peak`` (flat
+    or a column). A zero peak is a segment of zeros: any nonzero divisor gives its zeros (``nonzero_or_one``'s
+    1 or the smallest positive number alike)."""
     tiny = constant(smallest_positive(peak.dtype), peak.dtype, peak.device)
     scaled = torch.div(matrix.view(x), matrix.column(torch.clamp_min(peak, tiny)))
     centred = scaled.sub_(matrix.column(matrix.mean(scaled)))
-    return peak * matrix.mean(centred.mul_(centred)).sqrt_()
+    root = matrix.mean(centred.mul_(centred)).sqrt_()
+    return peak * (root if peak.dim() == 2 else root.view(-1))

@@ -47,24 +47,29 @@ class ByteGrad(
         work = as_dtype(flat, work_dtype(flat.dtype))
         matrix = Matrix.of(segments)
         if matrix is None:
-            low, high = segment_reduce(work, "min", segments), segment_reduce(work, "max", segments)
-        else:
-            rows = matrix.view(work.contiguous())
-            low, high = matrix.extreme(rows, "min"), matrix.extreme(rows, "max")
+            return self._compress_runs(work, segments)
+        rows = matrix.view(work.contiguous())
+        # each segment's minimum and maximum as (segments, 1) columns, a column per row of the matrix apiece
+        low, high = matrix.extreme(rows, "min"), matrix.extreme(rows, "max")
         scale, low_scaled, steps_per_unit = _steps(low, high)
-        if matrix is None:
-            per_segment = [low_scaled, steps_per_unit] if scale is None else [scale, low_scaled, steps_per_unit]
-            codes = segments.groups.rowwise(
-                _codes if scale is not None else lambda rows, low, steps: _codes(rows, None, low, steps),
-                [work],
-                per_segment,
-                torch.empty(work.shape, dtype=torch.uint8, device=work.device),
-            )
-        elif scale is None:
-            codes = _codes(rows, None, matrix.column(low_scaled), matrix.column(steps_per_unit)).view(-1)
+        if scale is None:
+            codes = _codes(rows, None, matrix.column(low_scaled), matrix.column(steps_per_unit))
         else:
-            columns = (matrix.column(scale), matrix.column(low_scaled), matrix.column(steps_per_unit))
-            codes = _codes(rows, *columns).view(-1)
+            codes = _codes(rows, *(matrix.column(c) for c in (scale, low_scaled, steps_per_unit)))
+        return [codes.view(-1), low.view(-1), high.view(-1)], None
+
+    @staticmethod
+    def _compress_runs(work: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
+        """:meth:`compress_segments` of segments without a :class:`Matrix`: run by run."""
+        low, high = segment_reduce(work, "min", segments), segment_reduce(work, "max", segments)
+        scale, low_scaled, steps_per_unit = _steps(low, high)
+        per_segment = [low_scaled, steps_per_unit] if scale is None else [scale, low_scaled, steps_per_unit]
+        codes = segments.groups.rowwise(
+            _codes if scale is not None else lambda rows, low, steps: _codes(rows, None, low, steps),
+            [work],
+            per_segment,
+            torch.empty(work.shape, dtype=torch.uint8, device=work.device),
+        )
         return [codes, low, high], None
 
     def decompress_segments(

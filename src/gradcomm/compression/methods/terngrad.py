@@ -69,7 +69,7 @@ class TernGrad(
         work = as_dtype(flat, work_dtype(flat.dtype))
         dtype, device = work.dtype, work.device
         matrix = Matrix.of(segments)
-        if matrix is not None:  # one view for the statistics and the fractions
+        if matrix is not None:  # one view for the statistics and the fractions; (segments, 1) columns of them
             work = matrix.view(work.contiguous())
             scales = matrix.absmax(work)
         else:
@@ -86,7 +86,7 @@ class TernGrad(
         # 0; for p < 0, -1 with chance |p|, else 0); noise uniform on [-1/2, 1/2), plus 1/2, then truncated
         noise = segment_noise(self.segment_seeds(segments), segments)
         codes = add_noise_(fraction, noise, 1.5)
-        return [pack_segments(as_uint8(codes, 2), segments, 2), scales], None
+        return [pack_segments(as_uint8(codes, 2), segments, 2), scales if scales.dim() == 1 else scales.view(-1)], None
 
     def decompress_segments(
         self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
@@ -102,7 +102,9 @@ def _divided(work: torch.Tensor, divisors: torch.Tensor, segments: Segments, cli
     matrix = Matrix.of(segments)
     if matrix is not None:  # work is its view
         fraction = torch.div(work, matrix.column(divisors))
-        return (fraction.clamp_(-1, 1) if clip else fraction).view(-1)  # numbers: a NaN kept as it is
+        if clip:  # a NaN kept as it is
+            fraction.clamp_(constant(-1.0, fraction.dtype, fraction.device), constant(1.0, fraction.dtype, fraction.device))
+        return fraction.view(-1)
     return segments.groups.rowwise_into(
         lambda target, rows, scale: torch.div(rows, scale, out=target).clamp_(-1, 1) if clip
         else torch.div(rows, scale, out=target),
