@@ -19,7 +19,7 @@ from gradcomm.compression._numerics import (
     work_dtype,
 )
 from gradcomm.compression._numerics.bits import _ROW_DTYPES
-from gradcomm.compression.segment_stats import Matrix, constant
+from gradcomm.compression.segment_stats import Matrix, constant, scratch_view
 from gradcomm.compression.segments import Segments, _ids, _placement, as_dtype
 
 __all__ = [
@@ -114,7 +114,7 @@ def decode_segments(
     per_segment = tables.dim() == 2 and tables.shape[0] > 1
     if bits == 8:  # a byte is a code, and segments are not padded
         if per_segment:
-            return _decode_by_segment(packed, 8, tables, _byte_offsets(segments, 8), out)
+            return _decode_by_segment(packed, 8, tables, segments, out)
         return lookup_bytes(packed, byte_table(tables, 8), segments.numel, out)
     padded = segments.padded(8)
     if not padded.aligned:  # each segment's bytes at a multiple of 8 codes
@@ -127,8 +127,7 @@ def decode_segments(
     elif not per_segment:
         decoded = lookup_bytes(bytes_, byte_table(tables, bits), padded.numel, out if padded.aligned else None)
     else:
-        offsets = _byte_offsets(segments, bits)
-        decoded = _decode_by_segment(bytes_, bits, tables, offsets, out if padded.aligned else None)
+        decoded = _decode_by_segment(bytes_, bits, tables, segments, out if padded.aligned else None)
     return decoded if padded.aligned and decoded.numel() == segments.numel else padded.unpad(decoded)
 
 
@@ -142,17 +141,22 @@ def lookup_bytes(
 
 
 def _decode_by_segment(
-    packed: torch.Tensor, bits: int, tables: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor | None = None
+    packed: torch.Tensor, bits: int, tables: torch.Tensor, segments: Segments, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``decode_bits`` with one table per segment: a byte ``b`` of segment ``s`` reads row ``256 s + b``
-    (``offsets``: ``256 s`` in int32, one per byte, or a column of one per chunk of bytes)."""
-    table = byte_table(tables, bits)
-    rows = torch.empty(packed.shape, dtype=torch.int32, device=packed.device).copy_(packed)
-    if offsets.dim() == 2:
-        rows.view(offsets.shape[0], -1).add_(offsets)
-    else:
-        rows.add_(offsets)
-    return _looked_up(table, rows, out)
+    (:func:`_byte_offsets`: ``256 s`` in int32, one per byte, or a column of one per chunk of bytes). The
+    bytes' rows are computed in a :func:`scratch` buffer of the layout; at 8 bits a row is one value, looked
+    up in the flat tables."""
+    offsets = _byte_offsets(segments, bits)
+    grid = (offsets.shape[0], packed.numel() // offsets.shape[0]) if offsets.dim() == 2 else (packed.numel(),)
+    rows, by_chunk = scratch_view(segments, f"bytes{bits}", (packed.numel(),), torch.int32, packed.device, grid)
+    rows.copy_(packed)
+    by_chunk.add_(offsets)
+    if bits == 8:
+        flat = tables.view(-1) if tables.is_contiguous() else tables.reshape(-1)
+        usable = out is not None and out.is_contiguous() and out.dtype == flat.dtype and out.numel() == rows.numel()
+        return torch.index_select(flat, 0, rows, out=out.view(-1)) if usable else flat.index_select(0, rows)
+    return _looked_up(byte_table(tables, bits), rows, out)
 
 
 def _looked_up(table: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,7 +13,7 @@ import math
 import torch
 
 from gradcomm.compression._numerics import NOISE_SCALE
-from gradcomm.compression.segment_stats import constant
+from gradcomm.compression.segment_stats import constant, scratch
 from gradcomm.compression.segments import Padded, Segments, _ids, _placement, _starts
 
 __all__ = ["add_noise_", "seed_of", "segment_noise", "segment_words"]
@@ -62,11 +62,16 @@ def segment_noise(seeds: torch.Tensor, segments: Segments, multiple: int = 1) ->
     return noise.index_select(0, _placement_cached(segments, tuple(target), words_layout.lengths))
 
 
-def add_noise_(x: torch.Tensor, noise: torch.Tensor, offset: float) -> torch.Tensor:
+def add_noise_(x: torch.Tensor, noise: torch.Tensor, offset: float, layout: object | None = None) -> torch.Tensor:
     """``x + noise * NOISE_SCALE + offset`` in place (stochastic rounding, ``x`` flat, ``noise`` from
     :func:`segment_noise`): the noise converted once (an addition of int16 converts it anyway, in four calls),
-    the offset a 0-d constant."""
-    converted = torch.empty(noise.shape, dtype=x.dtype, device=x.device).copy_(noise)
+    into a :func:`~gradcomm.compression.segment_stats.scratch` buffer of ``layout`` where given; the offset a
+    0-d constant."""
+    if layout is None:
+        converted = torch.empty(noise.shape, dtype=x.dtype, device=x.device)
+    else:
+        converted = scratch(layout, "noise", tuple(noise.shape), x.dtype, x.device)
+    converted.copy_(noise)
     return x.add_(converted, alpha=NOISE_SCALE).add_(constant(offset, x.dtype, x.device))
 
 

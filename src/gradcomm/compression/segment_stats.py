@@ -12,6 +12,7 @@ is wrapped into a tensor first, four calls more each time. The results are the s
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
@@ -26,8 +27,50 @@ __all__ = [
     "segment_mean_abs",
     "segment_rms",
     "segment_std",
+    "scratch",
+    "scratch_view",
     "smallest_positive",
 ]
+
+
+def scratch(owner: object, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``shape`` kept on ``owner`` (a layout, made once per bucket layout) for the calling thread: a
+    buffer for what one call computes and reads before it returns, where a new tensor costs a call (``empty``)
+    every step. Per thread, so that encodings on the caller's thread and decodings on the backend's never
+    share one; never return it, nor keep it past the call."""
+    return _scratch_views(owner, name, shape, dtype, device, None)[0]
+
+
+def scratch_view(
+    owner: object,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    view: tuple[int, ...] | torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`scratch`, and its view of shape (or dtype) ``view``, made once with it (a view costs a call)."""
+    return _scratch_views(owner, name, shape, dtype, device, view)
+
+
+def _scratch_views(
+    owner: object, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+    view: tuple[int, ...] | torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    local = owner.__dict__.get("_scratch")
+    if local is None:
+        local = owner.__dict__.setdefault("_scratch", threading.local())
+    buffers = local.__dict__.setdefault("buffers", {})
+    key = (name, shape, dtype, device)
+    if key not in buffers:
+        buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+    base = buffers[key]
+    if view is None:
+        return base, base
+    views = local.__dict__.setdefault("views", {})
+    if (*key, view) not in views:
+        views[(*key, view)] = base.view(view)
+    return base, views[(*key, view)]
 
 
 @functools.lru_cache(maxsize=256)
@@ -92,12 +135,15 @@ class Matrix:
         """Contiguous flat ``flat`` as the ``(rows, length)`` matrix (the matrix itself where it is one)."""
         return flat if flat.dim() == 2 else flat.view(self.rows, self.length)
 
-    def column(self, per_segment: torch.Tensor) -> torch.Tensor:
+    def column(self, per_segment: torch.Tensor, name: str = "column") -> torch.Tensor:
         """Each row's segment's value of ``per_segment`` (flat, or a ``(segments, 1)`` column, as the
-        statistics here return them), as a ``(rows, 1)`` column: itself where a row is a segment."""
+        statistics here return them), as a ``(rows, 1)`` column: itself where a row is a segment, else in the
+        :func:`scratch` buffer ``name`` (an operand read before the caller returns: columns read together
+        need names of their own)."""
         if self.ids is None:
             return per_segment if per_segment.dim() == 2 else per_segment.view(self.rows, 1)
-        return torch.take(per_segment, self._id_column)
+        out = scratch(self, name, (self.rows, 1), per_segment.dtype, per_segment.device)
+        return torch.take(per_segment, self._id_column, out=out)
 
     def _by_segment(self, partial: torch.Tensor, reduce: str) -> torch.Tensor:
         """Row results ``partial`` (a ``(rows, 1)`` column) reduced by segment (``"max"``, ``"min"``, ``"sum"``),
@@ -121,28 +167,36 @@ class Matrix:
         partial = torch.amax(rows, dim=1, keepdim=True) if reduce == "max" else torch.amin(rows, dim=1, keepdim=True)
         return self._by_segment(partial, reduce)
 
-    def mean(self, flat: torch.Tensor) -> torch.Tensor:
+    def mean(self, flat: torch.Tensor, into: str | None = None) -> torch.Tensor:
         """Each segment's mean as a ``(segments, 1)`` column, the bits of ``segment_reduce(flat, "mean",
         segments)``: float32 sums of blocks of 32 elements added in float64 (a plain row mean where a row is no
-        multiple of 32 long)."""
+        multiple of 32 long). ``into``: the name of a :func:`scratch` buffer for the result, where the caller
+        reads it before it returns (else a new tensor)."""
         length = self.length
         if length % _BLOCK:
             return torch.mean(self.view(flat), dim=1, keepdim=True)
-        # dimensions kept where that costs a call less
         accumulation = torch.float32 if flat.dtype.itemsize < 4 else None
         blocks = torch.sum(flat.view(self.rows, length // _BLOCK, _BLOCK), dim=2, keepdim=True, dtype=accumulation)
-        if blocks.dtype != torch.float64:
-            wide = torch.empty(blocks.shape, dtype=torch.float64, device=blocks.device)
-            blocks = wide.copy_(blocks)
-        sums = self._by_segment(torch.sum(blocks, dim=1), "sum")
+        if blocks.dtype != torch.float64:  # into float64 rows of the blocks' sums, kept with their 2-d view
+            shape = tuple(blocks.shape)
+            wide, rows = scratch_view(self, "wide", shape, torch.float64, blocks.device, shape[:2])
+            wide.copy_(blocks)
+            blocks = rows
+        else:
+            blocks = blocks.view(self.rows, -1)
+        sums = self._by_segment(torch.sum(blocks, dim=1, keepdim=True), "sum")
         if self.ids is None:
             sums.div_(constant(float(length), torch.float64, flat.device))
         else:
             sums.div_(self._lengths)
-        if flat.dtype != torch.float64:
-            sums = torch.empty(sums.shape, dtype=flat.dtype, device=flat.device).copy_(sums)
-        return sums
-
+        if flat.dtype == torch.float64:
+            return sums
+        out = (
+            torch.empty(sums.shape, dtype=flat.dtype, device=flat.device)
+            if into is None
+            else scratch(self, into, tuple(sums.shape), flat.dtype, flat.device)
+        )
+        return out.copy_(sums)
 
 @functools.lru_cache(maxsize=8)
 def smallest_positive(dtype: torch.dtype) -> float:
@@ -238,6 +292,6 @@ def _matrix_std(matrix: Matrix, x: torch.Tensor, peak: torch.Tensor) -> torch.Te
     1 or the smallest positive number alike)."""
     tiny = constant(smallest_positive(peak.dtype), peak.dtype, peak.device)
     scaled = torch.div(matrix.view(x), matrix.column(torch.clamp_min(peak, tiny)))
-    centred = scaled.sub_(matrix.column(matrix.mean(scaled)))
-    root = matrix.mean(centred.mul_(centred)).sqrt_()
+    centred = scaled.sub_(matrix.column(matrix.mean(scaled, into="mean")))
+    root = matrix.mean(centred.mul_(centred), into="variance").sqrt_()
     return peak * (root if peak.dim() == 2 else root.view(-1))

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from gradcomm.compression._numerics import as_uint8, work_dtype
+from gradcomm.compression._numerics import work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompressor, SegmentedCompressor
 from gradcomm.compression.communicators import ALLGATHER
 from gradcomm.compression.segment_bits import decode_segments, pack_segments, packed_lengths
@@ -31,6 +31,7 @@ from gradcomm.compression.segment_noise import add_noise_, segment_noise
 from gradcomm.compression.segment_stats import (
     Matrix,
     constant,
+    scratch_view,
     segment_absmax,
     segment_std,
     smallest_positive,
@@ -85,8 +86,11 @@ class TernGrad(
         # codes 0, 1, 2 for -scale, 0, +scale: 1 + p rounded stochastically (for p >= 0, 1 with chance p, else
         # 0; for p < 0, -1 with chance |p|, else 0); noise uniform on [-1/2, 1/2), plus 1/2, then truncated
         noise = segment_noise(self.segment_seeds(segments), segments)
-        codes = add_noise_(fraction, noise, 1.5)
-        return [pack_segments(as_uint8(codes, 2), segments, 2), scales if scales.dim() == 1 else scales.view(-1)], None
+        positions = add_noise_(fraction, noise, 1.5, segments)
+        # truncated into bytes of the layout (through their int8 view: a float-to-uint8 conversion is slower)
+        codes, as_int8 = scratch_view(segments, "codes", tuple(positions.shape), torch.uint8, work.device, torch.int8)
+        as_int8.copy_(positions)
+        return [pack_segments(codes, segments, 2), scales if scales.dim() == 1 else scales.view(-1)], None
 
     def decompress_segments(
         self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
