@@ -67,31 +67,28 @@ def pack_scaled_signs(flat: torch.Tensor, segments: Segments, scales: torch.Tens
 def encode_scaled_signs(
     flat: torch.Tensor, segments: Segments, scales: torch.Tensor
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """:func:`pack_scaled_signs`, and the signs as computed (bool, :func:`not_negative`), for
-    :func:`decode_scaled_signs`."""
-    signs = not_negative(flat)
-    return [pack_segments(signs.view(torch.uint8), segments, 1), scales], signs
+    """:func:`pack_scaled_signs`, and what :func:`decode_scaled_signs` decodes it from: ``flat`` itself (read
+    there, so it must not change in between)."""
+    return [pack_segments(not_negative(flat), segments, 1), scales], flat
 
 
-def decode_scaled_signs(signs: torch.Tensor, scales: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """:func:`unpack_scaled_signs` of a payload from its signs before packing (:func:`pack_scaled_signs`),
-    the same values: ``+scale`` where set, ``-scale`` elsewhere, by one selection on the segments'
-    :class:`~gradcomm.compression.segment_stats.Matrix` (a decoding where they have none)."""
+def decode_scaled_signs(flat: torch.Tensor, scales: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """:func:`unpack_scaled_signs` of the payload :func:`encode_scaled_signs` made of ``flat``, the same values:
+    ``+scale`` where ``flat >= 0``, ``-scale`` elsewhere, on the segments'
+    :class:`~gradcomm.compression.segment_stats.Matrix` (a decoding where they have none). The scale's
+    magnitude with the sign of ``flat + 0`` (-0 made +0; its NaN made -1, as :func:`not_negative` counts it):
+    three passes in as many calls, where the signs' +-1 times the scale took eight (a selection by a bool
+    mask is not vectorised on the CPU: ten times slower)."""
     matrix = Matrix.of(segments)
     if matrix is None:
-        return unpack_scaled_signs([pack_segments(signs.view(torch.uint8), segments, 1), scales], segments)
-    # +-1 (int8) times the scale, as the decoding's table is: a selection by a bool mask between two columns
-    # is not vectorised on the CPU (ten times slower)
-    device = signs.device
-    plus_minus = torch.mul(signs.view(torch.int8), constant(2, torch.int8, device)).sub_(constant(1, torch.int8, device))
-    decoded = torch.empty(plus_minus.shape, dtype=segments.dtype, device=device).copy_(plus_minus)
-    matrix.view(decoded).mul_(matrix.column(as_dtype(scales, segments.dtype)))
-    return decoded
+        return unpack_scaled_signs([pack_segments(not_negative(flat), segments, 1), scales], segments)
+    signed = torch.add(matrix.view(flat), constant(0.0, flat.dtype, flat.device)).nan_to_num_(nan=-1.0)
+    return torch.copysign(matrix.column(as_dtype(scales, segments.dtype)), signed, out=signed).view(-1)
 
 
 def not_negative(flat: torch.Tensor) -> torch.Tensor:
     """Where ``flat >= 0`` (its sign bits: zeros count as ``+``, NaN as ``-``), as bool: one call (a Python 0,
-    or an ``out=`` of int8, costs several)."""
+    or an ``out=`` of int8, costs several); :func:`pack_segments` packs it as it is."""
     return torch.ge(flat, constant(0, flat.dtype, flat.device))
 
 

@@ -11,8 +11,11 @@ is wrapped into a tensor first, four calls more each time. The results are the s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
@@ -27,50 +30,82 @@ __all__ = [
     "segment_mean_abs",
     "segment_rms",
     "segment_std",
+    "held",
+    "holding",
     "scratch",
     "scratch_view",
     "smallest_positive",
 ]
 
 
-def scratch(owner: object, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of ``shape`` kept on ``owner`` (a layout, made once per bucket layout) for the calling thread: a
-    buffer for what one call computes and reads before it returns, where a new tensor costs a call (``empty``)
-    every step. Per thread, so that encodings on the caller's thread and decodings on the backend's never
-    share one; never return it, nor keep it past the call."""
-    return _scratch_views(owner, name, shape, dtype, device, None)[0]
+_T = TypeVar("_T")
+
+
+class _Scratch:
+    """A layout's :func:`scratch` buffers and the thread that holds them (:func:`held`)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.holder: int | None = None
+        self.buffers: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+@contextlib.contextmanager
+def held(layout: Segments) -> Iterator[None]:
+    """Within it, this thread's :func:`scratch` calls on ``layout`` return the layout's kept buffers (made
+    once); where another thread holds them (the same bucket exchanged again before the last exchange was
+    done), new tensors. A method's encoding or decoding of a bucket holds its layout throughout."""
+    state = layout.__dict__.get("_scratch")
+    if state is None:
+        state = layout.__dict__.setdefault("_scratch", _Scratch())
+    if not state.lock.acquire(blocking=False):  # held: by this thread (nested), or by another
+        yield
+        return
+    state.holder = threading.get_ident()
+    try:
+        yield
+    finally:
+        state.holder = None
+        state.lock.release()
+
+
+def holding(method: Callable[..., _T]) -> Callable[..., _T]:
+    """A method whose call holds (:func:`held`) the layout it is given (its first :class:`Segments` argument)."""
+
+    @functools.wraps(method)
+    def holder(*args: Any, **kwargs: Any) -> _T:
+        layout = next(a for a in (*args, *kwargs.values()) if isinstance(a, Segments))
+        with held(layout):
+            return method(*args, **kwargs)
+
+    return holder
+
+
+def scratch(layout: Segments, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``shape`` for what one call computes and reads before it returns (never returned, nor kept
+    past the call): kept on ``layout`` where this thread holds it (:func:`held`), where a new tensor costs a
+    call (``empty``) every step; else a new one."""
+    return scratch_view(layout, name, shape, dtype, device, None)[0]
 
 
 def scratch_view(
-    owner: object,
+    layout: Segments,
     name: str,
     shape: tuple[int, ...],
     dtype: torch.dtype,
     device: torch.device,
-    view: tuple[int, ...] | torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`scratch`, and its view of shape (or dtype) ``view``, made once with it (a view costs a call)."""
-    return _scratch_views(owner, name, shape, dtype, device, view)
-
-
-def _scratch_views(
-    owner: object, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
     view: tuple[int, ...] | torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    local = owner.__dict__.get("_scratch")
-    if local is None:
-        local = owner.__dict__.setdefault("_scratch", threading.local())
-    buffers = local.__dict__.setdefault("buffers", {})
-    key = (name, shape, dtype, device)
-    if key not in buffers:
-        buffers[key] = torch.empty(shape, dtype=dtype, device=device)
-    base = buffers[key]
-    if view is None:
-        return base, base
-    views = local.__dict__.setdefault("views", {})
-    if (*key, view) not in views:
-        views[(*key, view)] = base.view(view)
-    return base, views[(*key, view)]
+    """:func:`scratch`, and its view of shape (or dtype) ``view``, made once with it (a view costs a call)."""
+    state = layout.__dict__.get("_scratch")
+    if state is None or state.holder != threading.get_ident():
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        return tensor, tensor if view is None else tensor.view(view)
+    key = (name, shape, dtype, device, view)
+    if key not in state.buffers:
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        state.buffers[key] = (tensor, tensor if view is None else tensor.view(view))
+    return state.buffers[key]
 
 
 @functools.lru_cache(maxsize=256)
@@ -142,7 +177,7 @@ class Matrix:
         need names of their own)."""
         if self.ids is None:
             return per_segment if per_segment.dim() == 2 else per_segment.view(self.rows, 1)
-        out = scratch(self, name, (self.rows, 1), per_segment.dtype, per_segment.device)
+        out = scratch(self.segments, name, (self.rows, 1), per_segment.dtype, per_segment.device)
         return torch.take(per_segment, self._id_column, out=out)
 
     def _by_segment(self, partial: torch.Tensor, reduce: str) -> torch.Tensor:
@@ -179,7 +214,7 @@ class Matrix:
         blocks = torch.sum(flat.view(self.rows, length // _BLOCK, _BLOCK), dim=2, keepdim=True, dtype=accumulation)
         if blocks.dtype != torch.float64:  # into float64 rows of the blocks' sums, kept with their 2-d view
             shape = tuple(blocks.shape)
-            wide, rows = scratch_view(self, "wide", shape, torch.float64, blocks.device, shape[:2])
+            wide, rows = scratch_view(self.segments, "wide", shape, torch.float64, blocks.device, shape[:2])
             wide.copy_(blocks)
             blocks = rows
         else:
@@ -194,7 +229,7 @@ class Matrix:
         out = (
             torch.empty(sums.shape, dtype=flat.dtype, device=flat.device)
             if into is None
-            else scratch(self, into, tuple(sums.shape), flat.dtype, flat.device)
+            else scratch(self.segments, into, tuple(sums.shape), flat.dtype, flat.device)
         )
         return out.copy_(sums)
 

@@ -23,7 +23,7 @@ import torch
 from gradcomm.compression._numerics import as_uint8, decode_bits, work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedRowwiseCompressor
 from gradcomm.compression.segment_bits import decode_segments
-from gradcomm.compression.segment_stats import Matrix, constant, scratch_view
+from gradcomm.compression.segment_stats import Matrix, constant, holding, scratch_view
 from gradcomm.compression.segments import Segments, as_dtype, segment_reduce
 from gradcomm.compression.two_stage import TwoStageAllreduce
 
@@ -43,6 +43,7 @@ class ByteGrad(
     def payload_layout(self, lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
         return [(sum(lengths), torch.uint8), (len(lengths), work_dtype(dtype)), (len(lengths), work_dtype(dtype))]
 
+    @holding
     def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
         work = as_dtype(flat, work_dtype(flat.dtype))
         matrix = Matrix.of(segments)
@@ -55,7 +56,7 @@ class ByteGrad(
         columns = [matrix.column(low_scaled, "low"), matrix.column(steps_per_unit, "steps")]
         positions = _positions_of(rows, None if scale is None else matrix.column(scale, "scale"), *columns)
         # truncated through int16 (a float-to-uint8 conversion is slower on the CPU) in a buffer of the layout
-        truncated, grid = scratch_view(matrix, "codes", (rows.numel(),), torch.int16, rows.device, tuple(rows.shape))
+        truncated, grid = scratch_view(segments, "codes", (rows.numel(),), torch.int16, rows.device, tuple(rows.shape))
         grid.copy_(positions)
         codes = torch.empty(truncated.shape, dtype=torch.uint8, device=rows.device).copy_(truncated)
         return [codes, low.view(-1), high.view(-1)], None
@@ -74,6 +75,7 @@ class ByteGrad(
         )
         return [codes, low, high], None
 
+    @holding
     def decompress_segments(
         self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:

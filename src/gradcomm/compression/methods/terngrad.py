@@ -31,6 +31,7 @@ from gradcomm.compression.segment_noise import add_noise_, segment_noise
 from gradcomm.compression.segment_stats import (
     Matrix,
     constant,
+    holding,
     scratch_view,
     segment_absmax,
     segment_std,
@@ -66,6 +67,7 @@ class TernGrad(
     def payload_layout(self, lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
         return [(sum(packed_lengths(lengths, 2)), torch.uint8), (len(lengths), work_dtype(dtype))]
 
+    @holding
     def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
         work = as_dtype(flat, work_dtype(flat.dtype))
         dtype, device = work.dtype, work.device
@@ -92,6 +94,7 @@ class TernGrad(
         as_int8.copy_(positions)
         return [pack_segments(codes, segments, 2), scales if scales.dim() == 1 else scales.view(-1)], None
 
+    @holding
     def decompress_segments(
         self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
