@@ -310,6 +310,60 @@ def test_own_decoding_is_the_payloads(make, layout):
     assert compressor.aggregate_segments([part.unsqueeze(0) for part in payload], ctx, segments) is own
 
 
+@pytest.mark.parametrize("layout", _DECODE_LAYOUTS)
+def test_own_sign_decoding_is_the_payloads_at_signed_zeros_nan_and_infinities(layout):
+    """The own decoding copies the sign of the values (-0 counted +, NaN -) onto the scale: at -0, +0, NaN of
+    either sign and infinities it is the payload's decoding, sign bit for sign bit, whatever the scales."""
+    from gradcomm.compression.segment_bits import (
+        decode_scaled_signs,
+        encode_scaled_signs,
+        unpack_scaled_signs,
+    )
+
+    _, segments, flat = _bucket(12, _DECODE_LAYOUTS[layout])
+    edges = torch.tensor([-0.0, 0.0, float("nan"), -float("nan"), float("inf"), -float("inf"), 1e-45, -1e-45])
+    flat[: edges.numel()] = edges
+    flat[segments.starts[-1] : segments.starts[-1] + edges.numel()] = edges
+    scales = torch.rand(len(segments)) * 10.0 ** torch.arange(len(segments), dtype=torch.float32)
+    scales[0] = float("inf")
+    payload, state = encode_scaled_signs(flat, segments, scales)
+    own, decoded = decode_scaled_signs(state, scales, segments), unpack_scaled_signs(payload, segments)
+    assert torch.equal(torch.signbit(own), torch.signbit(decoded))
+    torch.testing.assert_close(own, decoded, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_layout_held_by_another_thread_encodes_in_tensors_of_its_own():
+    """A layout's scratch buffers serve the thread that holds it; another thread (the same bucket exchanged again
+    before the last exchange was done) encodes and decodes in new tensors, to the same payload, and leaves the
+    held buffers as they were."""
+    import threading
+
+    from gradcomm.compression.segment_stats import held
+
+    _, segments, flat = _bucket(13, CHUNKED)
+    expected = [part.clone() for part in ByteGrad().compress_segments(flat, segments)[0]]
+    state = segments.__dict__["_scratch"]
+    kept = {key: tensor.clone() for key, (tensor, _) in state.buffers.items()}
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with held(segments):
+            entered.set()
+            release.wait(timeout=60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert entered.wait(timeout=60)
+        payload = ByteGrad().compress_segments(flat * 2, segments)[0]
+        ByteGrad().decompress_segments(payload, None, segments)
+    finally:
+        release.set()
+        holder.join(timeout=60)
+    assert all(torch.equal(state.buffers[key][0], tensor) for key, tensor in kept.items())
+    assert torch.equal(payload[0], expected[0]) and torch.equal(payload[1], 2 * expected[1])
+
+
 # -- torch calls per bucket -------------------------------------------------------------------------------------
 CEILINGS = {
     "allreduce": 5,
