@@ -70,10 +70,13 @@ def held(layout: Segments) -> Iterator[None]:
 
 
 def holding(method: Callable[..., _T]) -> Callable[..., _T]:
-    """A method whose call holds (:func:`held`) the layout it is given (its first :class:`Segments` argument)."""
+    """A method whose call holds (:func:`held`) the layout it is given (its first :class:`Segments` argument);
+    compiled (``torch.compile``), it holds nothing: a graph makes its own temporaries."""
 
     @functools.wraps(method)
     def holder(*args: Any, **kwargs: Any) -> _T:
+        if torch.compiler.is_compiling():
+            return method(*args, **kwargs)
         layout = next(a for a in (*args, *kwargs.values()) if isinstance(a, Segments))
         with held(layout):
             return method(*args, **kwargs)
@@ -97,7 +100,7 @@ def scratch_view(
     view: tuple[int, ...] | torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`scratch`, and its view of shape (or dtype) ``view``, made once with it (a view costs a call)."""
-    state = layout.__dict__.get("_scratch")
+    state = None if torch.compiler.is_compiling() else layout.__dict__.get("_scratch")
     if state is None or state.holder != threading.get_ident():
         tensor = torch.empty(shape, dtype=dtype, device=device)
         return tensor, tensor if view is None else tensor.view(view)
