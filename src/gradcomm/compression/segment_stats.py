@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -99,9 +100,12 @@ def scratch_view(
     device: torch.device,
     view: tuple[int, ...] | torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`scratch`, and its view of shape (or dtype) ``view``, made once with it (a view costs a call)."""
+    """:func:`scratch`, and its view of shape (or dtype) ``view``, made once with it (a view costs a call).
+    Only small buffers are kept (at most one element per :data:`_KEPT_PER` of the layout's: per-tensor,
+    per-chunk and per-block temporaries); one the size of the bucket is made in each call, as memory that
+    the allocator can reuse between steps instead of memory held for the layout's life."""
     state = None if torch.compiler.is_compiling() else layout.__dict__.get("_scratch")
-    if state is None or state.holder != threading.get_ident():
+    if state is None or state.holder != threading.get_ident() or math.prod(shape) * _KEPT_PER > max(layout.numel, _KEPT_PER):
         tensor = torch.empty(shape, dtype=dtype, device=device)
         return tensor, tensor if view is None else tensor.view(view)
     key = (name, shape, dtype, device, view)
@@ -109,6 +113,9 @@ def scratch_view(
         tensor = torch.empty(shape, dtype=dtype, device=device)
         state.buffers[key] = (tensor, tensor if view is None else tensor.view(view))
     return state.buffers[key]
+
+
+_KEPT_PER = 32
 
 
 @functools.lru_cache(maxsize=256)
