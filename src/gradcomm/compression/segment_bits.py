@@ -19,7 +19,7 @@ from gradcomm.compression._numerics import (
     work_dtype,
 )
 from gradcomm.compression._numerics.bits import _ROW_DTYPES
-from gradcomm.compression.segment_stats import Matrix, constant
+from gradcomm.compression.segment_stats import Matrix, constant, scratch_view
 from gradcomm.compression.segments import Segments, _ids, _placement, as_dtype
 
 __all__ = [
@@ -67,31 +67,28 @@ def pack_scaled_signs(flat: torch.Tensor, segments: Segments, scales: torch.Tens
 def encode_scaled_signs(
     flat: torch.Tensor, segments: Segments, scales: torch.Tensor
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """:func:`pack_scaled_signs`, and the signs as computed (bool, :func:`not_negative`), for
-    :func:`decode_scaled_signs`."""
-    signs = not_negative(flat)
-    return [pack_segments(signs.view(torch.uint8), segments, 1), scales], signs
+    """:func:`pack_scaled_signs`, and what :func:`decode_scaled_signs` decodes it from: ``flat`` itself (read
+    there, so it must not change in between)."""
+    return [pack_segments(not_negative(flat), segments, 1), scales], flat
 
 
-def decode_scaled_signs(signs: torch.Tensor, scales: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """:func:`unpack_scaled_signs` of a payload from its signs before packing (:func:`pack_scaled_signs`),
-    the same values: ``+scale`` where set, ``-scale`` elsewhere, by one selection on the segments'
-    :class:`~gradcomm.compression.segment_stats.Matrix` (a decoding where they have none)."""
+def decode_scaled_signs(flat: torch.Tensor, scales: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """:func:`unpack_scaled_signs` of the payload :func:`encode_scaled_signs` made of ``flat``, the same values:
+    ``+scale`` where ``flat >= 0``, ``-scale`` elsewhere, on the segments'
+    :class:`~gradcomm.compression.segment_stats.Matrix` (a decoding where they have none). The scale's
+    magnitude with the sign of ``flat + 0`` (-0 made +0; its NaN made -1, as :func:`not_negative` counts it):
+    three passes in as many calls, where the signs' +-1 times the scale took eight (a selection by a bool
+    mask is not vectorised on the CPU: ten times slower)."""
     matrix = Matrix.of(segments)
     if matrix is None:
-        return unpack_scaled_signs([pack_segments(signs.view(torch.uint8), segments, 1), scales], segments)
-    # +-1 (int8) times the scale, as the decoding's table is: a selection by a bool mask between two columns
-    # is not vectorised on the CPU (ten times slower)
-    device = signs.device
-    plus_minus = torch.mul(signs.view(torch.int8), constant(2, torch.int8, device)).sub_(constant(1, torch.int8, device))
-    decoded = torch.empty(plus_minus.shape, dtype=segments.dtype, device=device).copy_(plus_minus)
-    matrix.view(decoded).mul_(matrix.column(as_dtype(scales, segments.dtype)))
-    return decoded
+        return unpack_scaled_signs([pack_segments(not_negative(flat), segments, 1), scales], segments)
+    signed = torch.add(matrix.view(flat), constant(0.0, flat.dtype, flat.device)).nan_to_num_(nan=-1.0)
+    return torch.copysign(matrix.column(as_dtype(scales, segments.dtype)), signed, out=signed).view(-1)
 
 
 def not_negative(flat: torch.Tensor) -> torch.Tensor:
     """Where ``flat >= 0`` (its sign bits: zeros count as ``+``, NaN as ``-``), as bool: one call (a Python 0,
-    or an ``out=`` of int8, costs several)."""
+    or an ``out=`` of int8, costs several); :func:`pack_segments` packs it as it is."""
     return torch.ge(flat, constant(0, flat.dtype, flat.device))
 
 
@@ -114,7 +111,7 @@ def decode_segments(
     per_segment = tables.dim() == 2 and tables.shape[0] > 1
     if bits == 8:  # a byte is a code, and segments are not padded
         if per_segment:
-            return _decode_by_segment(packed, 8, tables, _byte_offsets(segments, 8), out)
+            return _decode_by_segment(packed, 8, tables, segments, out)
         return lookup_bytes(packed, byte_table(tables, 8), segments.numel, out)
     padded = segments.padded(8)
     if not padded.aligned:  # each segment's bytes at a multiple of 8 codes
@@ -127,8 +124,7 @@ def decode_segments(
     elif not per_segment:
         decoded = lookup_bytes(bytes_, byte_table(tables, bits), padded.numel, out if padded.aligned else None)
     else:
-        offsets = _byte_offsets(segments, bits)
-        decoded = _decode_by_segment(bytes_, bits, tables, offsets, out if padded.aligned else None)
+        decoded = _decode_by_segment(bytes_, bits, tables, segments, out if padded.aligned else None)
     return decoded if padded.aligned and decoded.numel() == segments.numel else padded.unpad(decoded)
 
 
@@ -142,17 +138,22 @@ def lookup_bytes(
 
 
 def _decode_by_segment(
-    packed: torch.Tensor, bits: int, tables: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor | None = None
+    packed: torch.Tensor, bits: int, tables: torch.Tensor, segments: Segments, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``decode_bits`` with one table per segment: a byte ``b`` of segment ``s`` reads row ``256 s + b``
-    (``offsets``: ``256 s`` in int32, one per byte, or a column of one per chunk of bytes)."""
-    table = byte_table(tables, bits)
-    rows = torch.empty(packed.shape, dtype=torch.int32, device=packed.device).copy_(packed)
-    if offsets.dim() == 2:
-        rows.view(offsets.shape[0], -1).add_(offsets)
-    else:
-        rows.add_(offsets)
-    return _looked_up(table, rows, out)
+    (:func:`_byte_offsets`: ``256 s`` in int32, one per byte, or a column of one per chunk of bytes). The
+    bytes' rows are computed in a :func:`scratch` buffer of the layout; at 8 bits a row is one value, looked
+    up in the flat tables."""
+    offsets = _byte_offsets(segments, bits)
+    grid = (offsets.shape[0], packed.numel() // offsets.shape[0]) if offsets.dim() == 2 else (packed.numel(),)
+    rows, by_chunk = scratch_view(segments, f"bytes{bits}", (packed.numel(),), torch.int32, packed.device, grid)
+    rows.copy_(packed)
+    by_chunk.add_(offsets)
+    if bits == 8:
+        flat = tables.view(-1) if tables.is_contiguous() else tables.reshape(-1)
+        usable = out is not None and out.is_contiguous() and out.dtype == flat.dtype and out.numel() == rows.numel()
+        return torch.index_select(flat, 0, rows, out=out.view(-1)) if usable else flat.index_select(0, rows)
+    return _looked_up(byte_table(tables, bits), rows, out)
 
 
 def _looked_up(table: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -11,7 +11,12 @@ is wrapped into a tensor first, four calls more each time. The results are the s
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
@@ -26,8 +31,91 @@ __all__ = [
     "segment_mean_abs",
     "segment_rms",
     "segment_std",
+    "held",
+    "holding",
+    "scratch",
+    "scratch_view",
     "smallest_positive",
 ]
+
+
+_T = TypeVar("_T")
+
+
+class _Scratch:
+    """A layout's :func:`scratch` buffers and the thread that holds them (:func:`held`)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.holder: int | None = None
+        self.buffers: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+@contextlib.contextmanager
+def held(layout: Segments) -> Iterator[None]:
+    """Within it, this thread's :func:`scratch` calls on ``layout`` return the layout's kept buffers (made
+    once); where another thread holds them (the same bucket exchanged again before the last exchange was
+    done), new tensors. A method's encoding or decoding of a bucket holds its layout throughout."""
+    state = layout.__dict__.get("_scratch")
+    if state is None:
+        state = layout.__dict__.setdefault("_scratch", _Scratch())
+    if not state.lock.acquire(blocking=False):  # held: by this thread (nested), or by another
+        yield
+        return
+    state.holder = threading.get_ident()
+    try:
+        yield
+    finally:
+        state.holder = None
+        state.lock.release()
+
+
+def holding(method: Callable[..., _T]) -> Callable[..., _T]:
+    """A method whose call holds (:func:`held`) the layout it is given (its first :class:`Segments` argument);
+    compiled (``torch.compile``), it holds nothing: a graph makes its own temporaries."""
+
+    @functools.wraps(method)
+    def holder(*args: Any, **kwargs: Any) -> _T:
+        if torch.compiler.is_compiling():
+            return method(*args, **kwargs)
+        layout = next(a for a in (*args, *kwargs.values()) if isinstance(a, Segments))
+        with held(layout):
+            return method(*args, **kwargs)
+
+    return holder
+
+
+def scratch(layout: Segments, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``shape`` for what one call computes and reads before it returns (never returned, nor kept
+    past the call): kept on ``layout`` where this thread holds it (:func:`held`), where a new tensor costs a
+    call (``empty``) every step; else a new one."""
+    return scratch_view(layout, name, shape, dtype, device, None)[0]
+
+
+def scratch_view(
+    layout: Segments,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    view: tuple[int, ...] | torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`scratch`, and its view of shape (or dtype) ``view``, made once with it (a view costs a call).
+    Only small buffers are kept (at most one element per :data:`_KEPT_PER` of the layout's: per-tensor,
+    per-chunk and per-block temporaries); one the size of the bucket is made in each call, as memory that
+    the allocator can reuse between steps instead of memory held for the layout's life."""
+    state = None if torch.compiler.is_compiling() else layout.__dict__.get("_scratch")
+    if state is None or state.holder != threading.get_ident() or math.prod(shape) * _KEPT_PER > max(layout.numel, _KEPT_PER):
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        return tensor, tensor if view is None else tensor.view(view)
+    key = (name, shape, dtype, device, view)
+    if key not in state.buffers:
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        state.buffers[key] = (tensor, tensor if view is None else tensor.view(view))
+    return state.buffers[key]
+
+
+_KEPT_PER = 32
 
 
 @functools.lru_cache(maxsize=256)
@@ -73,63 +161,87 @@ class Matrix:
         return None
 
     @functools.cached_property
-    def _zeros(self) -> torch.Tensor:
-        """float64 zeros, one per segment, that chunks' sums are added to (out of place): read, never written."""
-        return torch.zeros(len(self.segments), dtype=torch.float64, device=self.segments.device)
+    def _counts(self) -> torch.Tensor:
+        """Each segment's number of rows (chunks), the lengths of :func:`torch.segment_reduce` over rows."""
+        return torch.tensor([n // self.length for n in self.segments.lengths], device=self.segments.device)
+
+    @functools.cached_property
+    def _id_column(self) -> torch.Tensor:
+        """Each row's segment as a ``(rows, 1)`` column: a :func:`torch.take` by it is a column already."""
+        assert self.ids is not None
+        return self.ids.view(-1, 1)
+
+    @functools.cached_property
+    def _lengths(self) -> torch.Tensor:
+        """Each segment's length (float64) as a ``(segments, 1)`` column, that its sum is divided by."""
+        return _lengths(self.segments).view(-1, 1)
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         """Contiguous flat ``flat`` as the ``(rows, length)`` matrix (the matrix itself where it is one)."""
         return flat if flat.dim() == 2 else flat.view(self.rows, self.length)
 
-    def column(self, per_segment: torch.Tensor) -> torch.Tensor:
-        """Each row's segment's value of flat ``per_segment``, as a ``(rows, 1)`` column."""
+    def column(self, per_segment: torch.Tensor, name: str = "column") -> torch.Tensor:
+        """Each row's segment's value of ``per_segment`` (flat, or a ``(segments, 1)`` column, as the
+        statistics here return them), as a ``(rows, 1)`` column: itself where a row is a segment, else in the
+        :func:`scratch` buffer ``name`` (an operand read before the caller returns: columns read together
+        need names of their own)."""
         if self.ids is None:
-            return per_segment.view(self.rows, 1)
-        return per_segment.index_select(0, self.ids).view(self.rows, 1)
+            return per_segment if per_segment.dim() == 2 else per_segment.view(self.rows, 1)
+        out = scratch(self.segments, name, (self.rows, 1), per_segment.dtype, per_segment.device)
+        return torch.take(per_segment, self._id_column, out=out)
 
     def _by_segment(self, partial: torch.Tensor, reduce: str) -> torch.Tensor:
-        """Row results ``partial`` reduced by segment (``"amax"``, ``"amin"``): themselves where a row is a segment."""
+        """Row results ``partial`` (a ``(rows, 1)`` column) reduced by segment (``"max"``, ``"min"``, ``"sum"``),
+        in order, as a ``(segments, 1)`` column: themselves where a row is a segment."""
         if self.ids is None:
             return partial
-        out = torch.empty(len(self.segments), dtype=partial.dtype, device=partial.device)
-        return out.scatter_reduce_(0, self.ids, partial, reduce, include_self=False)
+        return torch.segment_reduce(partial, reduce, lengths=self._counts, axis=0, unsafe=True)
 
     def absmax(self, flat: torch.Tensor) -> torch.Tensor:
-        """Each segment's largest magnitude (NaN where it has one; +0 where all are zeros); ``flat`` may be its
-        :meth:`view` already, as for the other statistics. The larger of the row's maximum and its minimum
-        negated: two reading passes, where ``abs`` writes a bucket-sized tensor (and an inf-norm is
-        several times slower on the CPU)."""
+        """Each segment's largest magnitude (NaN where it has one; +0 where all are zeros), as a ``(segments,
+        1)`` column; ``flat`` may be its :meth:`view` already, as for the other statistics. The larger of the
+        row's maximum and its minimum negated (two reading passes, where ``abs`` writes a bucket-sized tensor
+        and an inf-norm is several times slower on the CPU), plus +0 (a -0 of zeros made +0)."""
         rows = self.view(flat)
         peak = torch.maximum(torch.amax(rows, dim=1, keepdim=True), torch.amin(rows, dim=1, keepdim=True).neg_())
-        return self._by_segment(peak.abs_().view(-1), "amax")
+        return self._by_segment(peak, "max").add_(constant(0.0, peak.dtype, peak.device))
 
     def extreme(self, flat: torch.Tensor, reduce: str) -> torch.Tensor:
-        """Each segment's ``"max"`` or ``"min"``."""
-        rows = torch.amax(self.view(flat), dim=1) if reduce == "max" else torch.amin(self.view(flat), dim=1)
-        return self._by_segment(rows, "a" + reduce)
+        """Each segment's ``"max"`` or ``"min"``, as a ``(segments, 1)`` column."""
+        rows = self.view(flat)
+        partial = torch.amax(rows, dim=1, keepdim=True) if reduce == "max" else torch.amin(rows, dim=1, keepdim=True)
+        return self._by_segment(partial, reduce)
 
-    def mean(self, flat: torch.Tensor) -> torch.Tensor:
-        """Each segment's mean, the bits of ``segment_reduce(flat, "mean", segments)``: float32 sums of blocks of
-        32 elements added in float64 (a plain row mean where a row is no multiple of 32 long)."""
+    def mean(self, flat: torch.Tensor, into: str | None = None) -> torch.Tensor:
+        """Each segment's mean as a ``(segments, 1)`` column, the bits of ``segment_reduce(flat, "mean",
+        segments)``: float32 sums of blocks of 32 elements added in float64 (a plain row mean where a row is no
+        multiple of 32 long). ``into``: the name of a :func:`scratch` buffer for the result, where the caller
+        reads it before it returns (else a new tensor)."""
         length = self.length
         if length % _BLOCK:
-            return torch.mean(self.view(flat), dim=1)
-        # dimensions kept: a reduction that drops one costs a call more
+            return torch.mean(self.view(flat), dim=1, keepdim=True)
         accumulation = torch.float32 if flat.dtype.itemsize < 4 else None
         blocks = torch.sum(flat.view(self.rows, length // _BLOCK, _BLOCK), dim=2, keepdim=True, dtype=accumulation)
-        if blocks.dtype != torch.float64:
-            wide = torch.empty(blocks.shape, dtype=torch.float64, device=blocks.device)
-            blocks = wide.copy_(blocks)
-        sums = torch.sum(blocks, dim=1, keepdim=True)
-        device = flat.device
-        if self.ids is None:
-            sums.div_(constant(float(length), torch.float64, device))
+        if blocks.dtype != torch.float64:  # into float64 rows of the blocks' sums, kept with their 2-d view
+            shape = tuple(blocks.shape)
+            wide, rows = scratch_view(self.segments, "wide", shape, torch.float64, blocks.device, shape[:2])
+            wide.copy_(blocks)
+            blocks = rows
         else:
-            sums = torch.index_add(self._zeros, 0, self.ids, sums.view(-1)).div_(_lengths(self.segments))
-        if flat.dtype != torch.float64:
-            sums = torch.empty(sums.shape, dtype=flat.dtype, device=device).copy_(sums)
-        return sums.view(-1)
-
+            blocks = blocks.view(self.rows, -1)
+        sums = self._by_segment(torch.sum(blocks, dim=1, keepdim=True), "sum")
+        if self.ids is None:
+            sums.div_(constant(float(length), torch.float64, flat.device))
+        else:
+            sums.div_(self._lengths)
+        if flat.dtype == torch.float64:
+            return sums
+        out = (
+            torch.empty(sums.shape, dtype=flat.dtype, device=flat.device)
+            if into is None
+            else scratch(self.segments, into, tuple(sums.shape), flat.dtype, flat.device)
+        )
+        return out.copy_(sums)
 
 @functools.lru_cache(maxsize=8)
 def smallest_positive(dtype: torch.dtype) -> float:
@@ -161,7 +273,7 @@ def segment_absmax(x: torch.Tensor, segments: Segments) -> torch.Tensor:
     """Each segment's largest magnitude (``segment_reduce(x.abs(), "max", segments)``)."""
     matrix = Matrix.of(segments)
     if matrix is not None:
-        return matrix.absmax(x.contiguous())
+        return matrix.absmax(x.contiguous()).view(-1)
     return segment_reduce(x.abs(), "max", segments)
 
 
@@ -175,7 +287,7 @@ def segment_mean_abs(x: torch.Tensor, segments: Segments) -> torch.Tensor:
         if matrix is not None:
             mean = matrix.mean(magnitude)
             if _plain_ok(mean):
-                return mean
+                return mean.view(-1)
         else:
             mean = segment_reduce(magnitude, "mean", segments)
             if _plain_is_exact(mean):
@@ -191,7 +303,7 @@ def segment_rms(x: torch.Tensor, segments: Segments) -> torch.Tensor:
         if matrix is not None:
             mean_square = matrix.mean(torch.mul(x, x))
             if _plain_ok(mean_square):
-                return mean_square.sqrt_()
+                return mean_square.sqrt_().view(-1)
         else:
             mean_square = segment_reduce(torch.mul(x, x), "mean", segments)
             if _plain_is_exact(mean_square):
@@ -220,9 +332,11 @@ def segment_std(x: torch.Tensor, segments: Segments, peak: torch.Tensor) -> torc
 
 
 def _matrix_std(matrix: Matrix, x: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
-    """:func:`segment_std` on a :class:`Matrix` (``x`` flat or its view), the same bits. A zero peak is a segment of zeros: any nonzero
-    divisor gives its zeros (``nonzero_or_one``'s 1 or the smallest positive number alike)."""
+    """:func:`segment_std` on a :class:`Matrix` (``x`` flat or its view), the same bits, shaped as ``peak`` (flat
+    or a column). A zero peak is a segment of zeros: any nonzero divisor gives its zeros (``nonzero_or_one``'s
+    1 or the smallest positive number alike)."""
     tiny = constant(smallest_positive(peak.dtype), peak.dtype, peak.device)
     scaled = torch.div(matrix.view(x), matrix.column(torch.clamp_min(peak, tiny)))
-    centred = scaled.sub_(matrix.column(matrix.mean(scaled)))
-    return peak * matrix.mean(centred.mul_(centred)).sqrt_()
+    centred = scaled.sub_(matrix.column(matrix.mean(scaled, into="mean")))
+    root = matrix.mean(centred.mul_(centred), into="variance").sqrt_()
+    return peak * (root if peak.dim() == 2 else root.view(-1))

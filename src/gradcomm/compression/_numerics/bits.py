@@ -42,7 +42,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
         raise ValueError(f"pack_bits: bits must be an integer in 1..8, got {bits!r}")
-    if codes.dtype != torch.uint8:
+    if codes.dtype != torch.uint8 and not (codes.dtype == torch.bool and bits == 1):  # bool: packed as its bytes
         codes = as_uint8(codes, bits)
     if bits == 8:
         return codes

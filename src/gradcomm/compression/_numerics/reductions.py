@@ -7,6 +7,7 @@ a plain sum could fail, and works on any device, so compressors built from these
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -22,8 +23,10 @@ __all__ = [
 ]
 
 
+@functools.lru_cache(maxsize=32)
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype statistics are computed and sent in: at least float32, so half precision cannot overflow."""
+    """The dtype statistics are computed and sent in: at least float32, so half precision cannot overflow.
+    Cached: ``promote_types`` is a torch call of its own every time."""
     return torch.promote_types(dtype, torch.float32)
 
 

@@ -23,7 +23,7 @@ import torch
 from gradcomm.compression._numerics import as_uint8, decode_bits, work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedRowwiseCompressor
 from gradcomm.compression.segment_bits import decode_segments
-from gradcomm.compression.segment_stats import Matrix, constant
+from gradcomm.compression.segment_stats import Matrix, constant, holding, scratch_view
 from gradcomm.compression.segments import Segments, as_dtype, segment_reduce
 from gradcomm.compression.two_stage import TwoStageAllreduce
 
@@ -43,30 +43,39 @@ class ByteGrad(
     def payload_layout(self, lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
         return [(sum(lengths), torch.uint8), (len(lengths), work_dtype(dtype)), (len(lengths), work_dtype(dtype))]
 
+    @holding
     def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
         work = as_dtype(flat, work_dtype(flat.dtype))
         matrix = Matrix.of(segments)
         if matrix is None:
-            low, high = segment_reduce(work, "min", segments), segment_reduce(work, "max", segments)
-        else:
-            rows = matrix.view(work.contiguous())
-            low, high = matrix.extreme(rows, "min"), matrix.extreme(rows, "max")
+            return self._compress_runs(work, segments)
+        rows = matrix.view(work.contiguous())
+        # each segment's minimum and maximum as (segments, 1) columns, a column per row of the matrix apiece
+        low, high = matrix.extreme(rows, "min"), matrix.extreme(rows, "max")
         scale, low_scaled, steps_per_unit = _steps(low, high)
-        if matrix is None:
-            per_segment = [low_scaled, steps_per_unit] if scale is None else [scale, low_scaled, steps_per_unit]
-            codes = segments.groups.rowwise(
-                _codes if scale is not None else lambda rows, low, steps: _codes(rows, None, low, steps),
-                [work],
-                per_segment,
-                torch.empty(work.shape, dtype=torch.uint8, device=work.device),
-            )
-        elif scale is None:
-            codes = _codes(rows, None, matrix.column(low_scaled), matrix.column(steps_per_unit)).view(-1)
-        else:
-            columns = (matrix.column(scale), matrix.column(low_scaled), matrix.column(steps_per_unit))
-            codes = _codes(rows, *columns).view(-1)
+        columns = [matrix.column(low_scaled, "low"), matrix.column(steps_per_unit, "steps")]
+        positions = _positions_of(rows, None if scale is None else matrix.column(scale, "scale"), *columns)
+        # truncated through int16 (a float-to-uint8 conversion is slower on the CPU) in a buffer of the layout
+        truncated, grid = scratch_view(segments, "codes", (rows.numel(),), torch.int16, rows.device, tuple(rows.shape))
+        grid.copy_(positions)
+        codes = torch.empty(truncated.shape, dtype=torch.uint8, device=rows.device).copy_(truncated)
+        return [codes, low.view(-1), high.view(-1)], None
+
+    @staticmethod
+    def _compress_runs(work: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
+        """:meth:`compress_segments` of segments without a :class:`Matrix`: run by run."""
+        low, high = segment_reduce(work, "min", segments), segment_reduce(work, "max", segments)
+        scale, low_scaled, steps_per_unit = _steps(low, high)
+        per_segment = [low_scaled, steps_per_unit] if scale is None else [scale, low_scaled, steps_per_unit]
+        codes = segments.groups.rowwise(
+            _codes if scale is not None else lambda rows, low, steps: _codes(rows, None, low, steps),
+            [work],
+            per_segment,
+            torch.empty(work.shape, dtype=torch.uint8, device=work.device),
+        )
         return [codes, low, high], None
 
+    @holding
     def decompress_segments(
         self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -110,12 +119,19 @@ def _steps(low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor | None, 
 def _codes(
     rows: torch.Tensor, scale: torch.Tensor | None, low_scaled: torch.Tensor, steps: torch.Tensor
 ) -> torch.Tensor:
-    """The code is the position (x - low) / (high - low) times 255, rounded half up: + 1/2, then truncated by the
-    integer conversion. x - low is in [0, high - low] (rounding is monotonic), so the code is in [0, 255] (the
-    product passes 255 by an ulp or two at most)."""
+    """The codes: :func:`_positions_of` truncated by the integer conversion."""
+    return as_uint8(_positions_of(rows, scale, low_scaled, steps))
+
+
+def _positions_of(
+    rows: torch.Tensor, scale: torch.Tensor | None, low_scaled: torch.Tensor, steps: torch.Tensor
+) -> torch.Tensor:
+    """The position (x - low) / (high - low) times 255, plus 1/2: the code rounded half up once truncated.
+    x - low is in [0, high - low] (rounding is monotonic), so the code is in [0, 255] (the product passes 255
+    by an ulp or two at most)."""
     half = constant(0.5, rows.dtype, rows.device)
     shifted = torch.sub(rows, low_scaled) if scale is None else torch.mul(rows, scale).sub_(low_scaled)
-    return as_uint8(shifted.mul_(steps).add_(half))
+    return shifted.mul_(steps).add_(half)
 
 
 @functools.lru_cache(maxsize=16)

@@ -30,7 +30,7 @@ from gradcomm.compression.segment_bits import (
     scaled_signs_layout,
     unpack_scaled_signs,
 )
-from gradcomm.compression.segment_stats import segment_rms
+from gradcomm.compression.segment_stats import holding, segment_rms
 from gradcomm.compression.segments import Segments, as_dtype
 from gradcomm.compression.two_stage import TwoStageAllreduce
 
@@ -46,16 +46,19 @@ class OneBit(SegmentedRowwiseCompressor, name="onebit", summary="two-stage error
     def payload_layout(self, lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
         return scaled_signs_layout(lengths, dtype)
 
+    @holding
     def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, OwnDecoding]:
         scales = segment_rms(as_dtype(flat, work_dtype(flat.dtype)), segments)
-        payload, signs = encode_scaled_signs(flat, segments, scales)
-        return payload, OwnDecoding(signs)
+        payload, state = encode_scaled_signs(flat, segments, scales)
+        return payload, OwnDecoding(state)
 
+    @holding
     def decompress_segments(
         self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         return unpack_scaled_signs(payload, segments, out)
 
+    @holding
     def decompress_own(self, payload: Payload, ctx: OwnDecoding, segments: Segments) -> torch.Tensor:
         ctx.decoded = decode_scaled_signs(ctx.state, payload[1], segments)
         return ctx.decoded

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from gradcomm.compression._numerics import as_uint8, work_dtype
+from gradcomm.compression._numerics import work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompressor, SegmentedCompressor
 from gradcomm.compression.communicators import ALLGATHER
 from gradcomm.compression.segment_bits import decode_segments, pack_segments, packed_lengths
@@ -31,6 +31,8 @@ from gradcomm.compression.segment_noise import add_noise_, segment_noise
 from gradcomm.compression.segment_stats import (
     Matrix,
     constant,
+    holding,
+    scratch_view,
     segment_absmax,
     segment_std,
     smallest_positive,
@@ -65,11 +67,12 @@ class TernGrad(
     def payload_layout(self, lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
         return [(sum(packed_lengths(lengths, 2)), torch.uint8), (len(lengths), work_dtype(dtype))]
 
+    @holding
     def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, None]:
         work = as_dtype(flat, work_dtype(flat.dtype))
         dtype, device = work.dtype, work.device
         matrix = Matrix.of(segments)
-        if matrix is not None:  # one view for the statistics and the fractions
+        if matrix is not None:  # one view for the statistics and the fractions; (segments, 1) columns of them
             work = matrix.view(work.contiguous())
             scales = matrix.absmax(work)
         else:
@@ -85,9 +88,13 @@ class TernGrad(
         # codes 0, 1, 2 for -scale, 0, +scale: 1 + p rounded stochastically (for p >= 0, 1 with chance p, else
         # 0; for p < 0, -1 with chance |p|, else 0); noise uniform on [-1/2, 1/2), plus 1/2, then truncated
         noise = segment_noise(self.segment_seeds(segments), segments)
-        codes = add_noise_(fraction, noise, 1.5)
-        return [pack_segments(as_uint8(codes, 2), segments, 2), scales], None
+        positions = add_noise_(fraction, noise, 1.5, segments)
+        # truncated into bytes of the layout (through their int8 view: a float-to-uint8 conversion is slower)
+        codes, as_int8 = scratch_view(segments, "codes", tuple(positions.shape), torch.uint8, work.device, torch.int8)
+        as_int8.copy_(positions)
+        return [pack_segments(codes, segments, 2), scales if scales.dim() == 1 else scales.view(-1)], None
 
+    @holding
     def decompress_segments(
         self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -102,7 +109,9 @@ def _divided(work: torch.Tensor, divisors: torch.Tensor, segments: Segments, cli
     matrix = Matrix.of(segments)
     if matrix is not None:  # work is its view
         fraction = torch.div(work, matrix.column(divisors))
-        return (fraction.clamp_(-1, 1) if clip else fraction).view(-1)  # numbers: a NaN kept as it is
+        if clip:  # a NaN kept as it is
+            fraction.clamp_(constant(-1.0, fraction.dtype, fraction.device), constant(1.0, fraction.dtype, fraction.device))
+        return fraction.view(-1)
     return segments.groups.rowwise_into(
         lambda target, rows, scale: torch.div(rows, scale, out=target).clamp_(-1, 1) if clip
         else torch.div(rows, scale, out=target),
