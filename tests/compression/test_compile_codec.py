@@ -5,6 +5,9 @@ The registry-wide checks compile with the ``aot_eager`` backend (dynamo's graphs
 autograd's functionalization of the passes' in-place writes, no code generation): the machinery, for every
 method, in seconds. Inductor itself, which needs a C++ compiler and tens of seconds per graph on the CPU, runs
 on two cheap deterministic methods, in the slow tier.
+
+The slow checks run in one spawned group of 2 ranks (``compiled_on_ranks``, at the end): every method on both,
+then inductor's on one of them; each test asserts on its own part's results.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from gradcomm.hooks.compression_hook import CompressionState
 from gradcomm.hooks.registry import check_options, make_comm_hook
 from gradcomm.testing import run_on_ranks
 from gradcomm.testing.op_count import many_tensor_bucket
+from tests.support.ranks import each_part, part_results
 
 STEPS = 4
+GROUP_TIMEOUT = 1200  # seconds: the one spawned group of the slow checks, inductor's C++ compilation included
 
 
 class _PerTensor(Compressor):
@@ -104,15 +109,16 @@ def _values(step: int) -> torch.Tensor:
     return bucket.buffer().mul_(1 + dist.get_rank())
 
 
-def _lockstep(names: list[str], backend: str) -> dict[str, Any]:
+def _lockstep(names: list[str], backend: str, group: Any = None) -> dict[str, Any]:
     """Per method, whether the eager and the compiled hook gave the same bits at every step (the same
-    values in, called in turn), and how many layouts were compiled."""
+    values in, called in turn), and how many layouts were compiled; the hooks on ``group`` (default: all ranks)."""
     _compile_with(backend)
+    group = group or dist.group.WORLD
     bucket = many_tensor_bucket(12)
     found = {}
     for name in names:
-        eager, compiled = make_comm_hook(name, process_group=dist.group.WORLD), make_comm_hook(
-            name, process_group=dist.group.WORLD, compile=True
+        eager, compiled = make_comm_hook(name, process_group=group), make_comm_hook(
+            name, process_group=group, compile=True
         )
         mismatches = []
         for step in range(STEPS):
@@ -127,14 +133,13 @@ def _lockstep(names: list[str], backend: str) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(660)
-def test_every_method_compiled_gives_the_eager_hooks_bits():
+@pytest.mark.timeout(GROUP_TIMEOUT + 60)
+def test_every_method_compiled_gives_the_eager_hooks_bits(compiled_on_ranks: list[dict[str, Any]]):
     """Two ranks, every registered method: the compiled passes (aot_eager) give the eager hook's bits at
     every step, error feedback and random streams included; a layout is compiled (two for the two-stage
     methods: the bucket's rows, and the row each rank recompresses)."""
-    results = run_on_ranks(_lockstep, 2, args=(sorted(methods()), "aot_eager"), timeout=600, collective_timeout=300)
     two_stage = {"bytegrad", "onebit"}
-    for found in results:
+    for found in part_results(compiled_on_ranks, "every method"):
         assert found == {name: ([], 2 if name in two_stage else 1) for name in methods()}
 
 
@@ -175,15 +180,15 @@ def _resumed(backend: str) -> dict[str, bool]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(660)
-def test_a_compiled_hooks_state_loads_into_an_eager_one_and_back():
-    [outcome] = run_on_ranks(_resumed, 1, args=("aot_eager",), timeout=600, collective_timeout=300)
-    assert outcome == {"topk": True, "qsgd": True, "onebit": True}
+@pytest.mark.timeout(GROUP_TIMEOUT + 60)
+def test_a_compiled_hooks_state_loads_into_an_eager_one_and_back(compiled_on_ranks: list[dict[str, Any]]):
+    for outcome in part_results(compiled_on_ranks, "resumed"):
+        assert outcome == {"topk": True, "qsgd": True, "onebit": True}
 
 
-def _inductor_payloads(names: list[str]) -> dict[str, Any]:
-    """Inductor (C++ on the CPU): the payload bits of a bucket's encoding, and the hook's results, against
-    the eager method's."""
+def _inductor_payloads(names: list[str], group: Any) -> dict[str, Any]:
+    """Inductor (C++ on the CPU): the payload bits of a bucket's encoding, and the hook's results (on
+    ``group``), against the eager method's."""
     torch.set_num_threads(1)
     found = {}
     bucket = many_tensor_bucket(12)
@@ -200,16 +205,14 @@ def _inductor_payloads(names: list[str]) -> dict[str, Any]:
             all(torch.equal(a, b) for a, b in zip(eager_payload, payload, strict=True)) for payload in payloads
         )
         found[name] = (same_payloads, codec.compiled_layouts())
-    found["hooks"] = _lockstep(names, "inductor")
+    found["hooks"] = _lockstep(names, "inductor", group)
     return found
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(960)
-def test_inductor_on_the_cpu_gives_the_eager_payload_bits():
-    [found] = run_on_ranks(
-        _inductor_payloads, 1, args=(["signsgd", "bytegrad"],), timeout=900, collective_timeout=600
-    )
+@pytest.mark.timeout(GROUP_TIMEOUT + 60)
+def test_inductor_on_the_cpu_gives_the_eager_payload_bits(compiled_on_ranks: list[dict[str, Any]]):
+    found = part_results(compiled_on_ranks, "inductor")[1]
     assert found == {
         "signsgd": (True, 1),
         "bytegrad": (True, 1),
@@ -228,3 +231,37 @@ def test_a_failed_compilation_names_the_method_and_the_way_out():
     with pytest.raises(RuntimeError, match=r"'signsgd' with compile=True: torch.compile failed on its "
                        r"compress_segments of a bucket of 1 compressed tensors .*no compiler here.*compile=False"):
         codec.compress_segments(tensors[0], segments)
+
+
+# -- the slow checks above, in one spawned group of 2 -------------------------------------------------------------
+# Every method and the resumed runs on both ranks, then inductor on rank 1 alone (on a group of that rank, as the
+# 1-rank group it had), rank 0 finishing meanwhile. Each part compiles after torch._dynamo.reset(), as in a
+# fresh process.
+def _solo_group() -> Any:
+    """This rank alone, as a process group (every rank creates every rank's, in the same order)."""
+    return [dist.new_group([rank]) for rank in range(dist.get_world_size())][dist.get_rank()]
+
+
+def _on_rank(rank: int, fn: Any, *args: Any) -> Any:
+    """``fn(*args, group)`` on rank ``rank`` alone, ``group`` that rank alone, with dynamo's caches emptied
+    first; None on the others, which go on to their next part at once."""
+    group = _solo_group()
+    if dist.get_rank() != rank:
+        return None
+    torch._dynamo.reset()
+    return fn(*args, group)
+
+
+def _every_rank(fn: Any, *args: Any) -> Any:
+    torch._dynamo.reset()
+    return fn(*args)
+
+
+@pytest.fixture(scope="module")
+def compiled_on_ranks() -> list[dict[str, Any]]:
+    parts = [
+        ("every method", _every_rank, (_lockstep, sorted(methods()), "aot_eager")),
+        ("resumed", _every_rank, (_resumed, "aot_eager")),
+        ("inductor", _on_rank, (1, _inductor_payloads, ["signsgd", "bytegrad"])),
+    ]
+    return run_on_ranks(each_part, 2, args=(parts,), timeout=GROUP_TIMEOUT, collective_timeout=300)

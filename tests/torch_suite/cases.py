@@ -69,8 +69,8 @@ CI_PASSING: tuple[str, ...] = (
 
 @functools.lru_cache(maxsize=1)
 def _test_base_methods() -> dict[str, str]:
-    """Name -> source of every method of the installed ``DistributedTest._DistTestBase``, found without importing
-    it (importing needs the environment :mod:`tests.torch_suite.runner` sets)."""
+    """Name -> source lines of every method of the installed ``DistributedTest._DistTestBase``, found without
+    importing it (importing needs the environment :mod:`tests.torch_suite.runner` sets)."""
     spec = importlib.util.find_spec("torch.testing._internal.distributed.distributed_test")
     if spec is None or spec.origin is None:
         raise RuntimeError("torch's distributed_test module is not installed with this torch")
@@ -79,8 +79,9 @@ def _test_base_methods() -> dict[str, str]:
     base = next(
         node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ClassDef) and node.name == "_DistTestBase"
     )
+    lines = source.splitlines(keepends=True)  # once: ast.get_source_segment splits the whole file per call
     return {
-        node.name: ast.get_source_segment(source, node) or ""
+        node.name: "".join(lines[node.lineno - 1 : node.end_lineno])
         for node in base.body
         if isinstance(node, ast.FunctionDef)
     }
