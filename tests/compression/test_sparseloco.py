@@ -225,7 +225,7 @@ def test_state_dict_round_trip_resumes_bit_for_bit():
 
 
 def test_a_failed_step_drops_the_accumulator_rather_than_half_update_it(monkeypatch):
-    from gradcomm.compression.methods import sparseloco as module
+    from gradcomm.compression.methods import _sparseloco_rows as module
 
     compressor = SparseLoCo(ratio=0.1, chunk=64)
     x = torch.randn(200, generator=torch.Generator().manual_seed(4))
@@ -234,7 +234,7 @@ def test_a_failed_step_drops_the_accumulator_rather_than_half_update_it(monkeypa
     def failing(*args, **kwargs):
         raise RuntimeError("selection failed")
 
-    monkeypatch.setattr(module._Rows, "magnitudes", failing)  # the selection's first step
+    monkeypatch.setattr(module._Scratch, "_choose", failing)  # the selection's first step
     with pytest.raises(RuntimeError, match="selection failed"):
         _sent(compressor, x, key="w")
     assert compressor.state_dict() == {"accumulation": {}}
