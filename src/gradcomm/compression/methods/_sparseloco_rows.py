@@ -125,10 +125,11 @@ class Rows:
         """Encode ``flat`` (not modified): per row its top ``k`` magnitudes, sorted; the mean of each row's
         ``k`` (``split``); the halves above it and not, and each half's mean magnitude (``low``, ``high``),
         sent as ``mean over the chunk * k / count in the half``. Means are float32 sums of blocks of 32 added
-        in float64 (in float32 where a row is one block: the same bits), kept where every mean of a column
-        (``split``, ``low``, ``high``) is within ``[2**-80, max]`` on the CPU (one check of all three), else
-        that column's means of magnitudes divided by their row's peak, times the peak (as
-        :func:`~gradcomm.compression.segment_stats.segment_mean_abs`; on accelerators always)."""
+        in float64 (in float32 where a row is one block: the same bits). On the CPU each is the plain mean
+        where that is exact (all of a call's checked at once), else the mean of the magnitudes divided by
+        their peak, times the peak; on accelerators always the latter. Row by row: a chunk's scales depend
+        on its values alone, never on the other chunks of its bucket.
+        """
         with self.scratch(flat.dtype) as scratch:
             return scratch.encode(flat)
 
@@ -185,6 +186,9 @@ class _Scratch:
         self.halves_sums = torch.empty(count, 2, 2, blocks, dtype=work, device=device)
         self.halves_values = self.halves[:, :, 0]
         self.ratio = torch.empty(count, 2, dtype=work, device=device)
+        self.kept_columns = torch.empty(total, dtype=torch.int64, device=device)
+        self.kept_values = torch.empty(total, dtype=dtype, device=device)
+        self.kept_big = torch.empty(total, dtype=torch.uint8, device=device)
         self.negative = torch.empty(total, dtype=torch.bool, device=device)
         self.negative_bytes = self.negative.view(torch.uint8)
         self.codes = torch.empty(total, dtype=torch.int64, device=device)
@@ -220,17 +224,22 @@ class _Scratch:
         self._choose(flat)
         self._split()
         self._halves()
-        if flat.device.type == "cpu" and not torch.equal(self.checked, torch.clamp(self.checked, c.floor, c.largest)):
-            self._scaled_where_needed()
-        elif flat.device.type != "cpu":
-            self._scaled_where_needed(cpu=False)
+        if flat.device.type != "cpu":
+            self._scaled()
+        elif not torch.equal(self.checked, torch.clamp(self.checked, c.floor, c.largest)):
+            self._per_row()
         torch.clamp_min(self.counts, c.one, out=self.ratio)
         torch.div(c.k, self.ratio, out=self.ratio)
         scales = torch.mul(self.means, self.ratio).clamp_(max=c.largest)
-        columns = self.columns_flat if rows.keep is None else self.columns_flat.index_select(0, rows.keep)
+        columns = self.columns_flat
+        if rows.keep is not None:
+            columns = torch.index_select(self.columns_flat, 0, rows.keep, out=self.kept_columns)
         indices = torch.add(columns, rows.starts)
-        torch.lt(flat.index_select(0, indices), c.zero.to(flat.dtype) if flat.dtype != self.work else c.zero, out=self.negative)
-        big = self.big_bytes if rows.keep_blocked is None else self.big_bytes.index_select(0, rows.keep_blocked)
+        torch.index_select(flat, 0, indices, out=self.kept_values)
+        torch.lt(self.kept_values, c.zero if flat.dtype == self.work else c.zero.to(flat.dtype), out=self.negative)
+        big = self.big_bytes
+        if rows.keep_blocked is not None:
+            big = torch.index_select(self.big_bytes, 0, rows.keep_blocked, out=self.kept_big)
         codes = torch.add(big, self.negative_bytes, alpha=2)  # 2 * negative + big
         self.codes.copy_(codes)
         payload = [*self._words(columns, codes), scales.view(-1)]
@@ -274,19 +283,26 @@ class _Scratch:
             return
         self.means_and_counts.copy_(self.halves64().div_(c.divisor64))
 
-    def _scaled_where_needed(self, cpu: bool = True) -> None:
-        """The means of a column (``split``, ``low``, ``high``) not all within range, as peak-scaled means (all
-        of them off the CPU); the halves again where the split changed."""
+    def _per_row(self) -> None:
+        """Where a row's plain mean (``split``, ``low`` or ``high``) is out of range, its peak-scaled mean; the
+        halves again where a split changed. A mean of 0 (a row or half of zeros) is both, and stays."""
         c = self.constants
-        if not cpu or not _within(self.split, c).all():
-            self.split_flat.copy_(self._peak_scaled(self.first, c.k64))
-            self._halves()
-        within = _within(self.means, c).all(dim=0).tolist() if cpu else [False, False]
-        if all(within):
+        if bool(_within(self.checked, c).all()):
             return
-        scaled = self._peak_scaled(self.halves_values, c.k64.unsqueeze(1)).view(-1, 2)
-        kept = torch.tensor(within, device=scaled.device)
-        self.means.copy_(torch.where(kept, self.means, scaled))
+        within = _within(self.split, c)
+        if not bool(within.all()):
+            self.split.copy_(torch.where(within, self.split, self._peak_scaled(self.first, c.k64).unsqueeze(1)))
+            self._halves()
+        within = _within(self.means, c)
+        if not bool(within.all()):
+            self.means.copy_(torch.where(within, self.means, self._peak_scaled(self.halves_values, c.k64.unsqueeze(1))))
+
+    def _scaled(self) -> None:
+        """Every mean peak-scaled (off the CPU, where checking the plain ones would wait for the device)."""
+        c = self.constants
+        self.split_flat.copy_(self._peak_scaled(self.first, c.k64))
+        self._halves()
+        self.means.copy_(self._peak_scaled(self.halves_values, c.k64.unsqueeze(1)))
 
     def _peak_scaled(self, values: torch.Tensor, k64: torch.Tensor) -> torch.Tensor:
         """Means over ``k`` of ``values`` (the last dimension, ``blocked`` wide) without overflow or underflow:
@@ -341,8 +357,9 @@ class _Float64Sums:
 
 
 def _within(means: torch.Tensor, c: _Constants) -> torch.Tensor:
-    """Where a mean neither overflowed nor came near underflow: within ``[floor, largest]`` (no NaN is)."""
-    return torch.eq(means, torch.clamp(means, c.floor, c.largest))
+    """Where a plain mean is exact: it neither overflowed nor came near underflow (within ``[floor,
+    largest]``, which no NaN is), or it is 0 (its magnitudes all are, and so is their peak-scaled mean)."""
+    return torch.eq(means, torch.clamp(means, c.floor, c.largest)).logical_or_(means == c.zero)
 
 
 class _Constants:
