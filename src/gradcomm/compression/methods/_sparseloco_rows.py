@@ -55,7 +55,9 @@ class Rows:
     the words' split (:func:`~gradcomm.compression.methods.sparseloco._word_split`); ``kept``: the values each
     tensor sends, whose top bits are packed tensor by tensor."""
 
-    def __init__(self, segments: Segments, budget: Budget, low_bytes: int, top_bits: int, kept: Sequence[int]):
+    def __init__(
+        self, segments: Segments, budget: Budget, low_bytes: int, top_bits: int, kept: Sequence[int]
+    ):
         chunked = budget.segments
         device = segments.device
         lengths = chunked.lengths
@@ -79,7 +81,9 @@ class Rows:
             column = torch.arange(self.width, device=device)
             starts = torch.tensor(chunked.starts, dtype=torch.int64, device=device).unsqueeze(1)
             inside = column < torch.tensor(lengths, dtype=torch.int64, device=device).unsqueeze(1)
-            self.gather = torch.where(inside, starts + column, self.numel).view(-1).to(index_dtype(self.numel + 1))
+            self.gather = (
+                torch.where(inside, starts + column, self.numel).view(-1).to(index_dtype(self.numel + 1))
+            )
         places = torch.arange(self.blocked, device=device)
         self.indicator = places < ks
         """Each row's first ``k`` places of ``blocked``."""
@@ -121,6 +125,9 @@ class Rows:
         finally:
             self._lock.release()
 
+    @torch.compiler.disable(
+        reason="written into buffers through views of other dtypes, which aot_autograd refuses"
+    )
     def encode(self, flat: torch.Tensor) -> Encoded:
         """Encode ``flat`` (not modified): per row its top ``k`` magnitudes, sorted; the mean of each row's
         ``k`` (``split``); the halves above it and not, and each half's mean magnitude (``low``, ``high``),
@@ -212,12 +219,18 @@ class _Scratch:
         if not rows.grouped:
             return
         self.top_groups = self.top.view(-1, groups)
-        self.weights = torch.tensor([1 << (rows.top_bits * i) for i in range(groups)], dtype=torch.int64, device=device)
+        self.weights = torch.tensor(
+            [1 << (rows.top_bits * i) for i in range(groups)], dtype=torch.int64, device=device
+        )
         self.weighted = torch.empty(total // groups, groups, dtype=torch.int64, device=device)
         self.packed = torch.empty(total // groups, dtype=torch.int64, device=device)
         self.packed_bytes = (self.top if groups == 1 else self.packed).view(torch.uint8)
         width = rows.top_bits * groups // 8
-        self.byte_index = torch.arange(width, device=device).add(8 * torch.arange(total // groups, device=device).unsqueeze(1)).view(-1)
+        self.byte_index = (
+            torch.arange(width, device=device)
+            .add(8 * torch.arange(total // groups, device=device).unsqueeze(1))
+            .view(-1)
+        )
 
     def encode(self, flat: torch.Tensor) -> Encoded:
         rows, c = self.rows, self.constants
@@ -236,7 +249,9 @@ class _Scratch:
             columns = torch.index_select(self.columns_flat, 0, rows.keep, out=self.kept_columns)
         indices = torch.add(columns, rows.starts)
         torch.index_select(flat, 0, indices, out=self.kept_values)
-        torch.lt(self.kept_values, c.zero if flat.dtype == self.work else c.zero.to(flat.dtype), out=self.negative)
+        torch.lt(
+            self.kept_values, c.zero if flat.dtype == self.work else c.zero.to(flat.dtype), out=self.negative
+        )
         big = self.big_bytes
         if rows.keep_blocked is not None:
             big = torch.index_select(self.big_bytes, 0, rows.keep_blocked, out=self.kept_big)
@@ -257,7 +272,12 @@ class _Scratch:
         if self.dtype == self.work:
             torch.topk(self.matrix, rows.widest, dim=1, out=(self.tops, self.columns))
         else:
-            tops, _ = torch.topk(self.matrix, rows.widest, dim=1, out=(torch.empty(0, dtype=self.dtype, device=flat.device), self.columns))
+            tops, _ = torch.topk(
+                self.matrix,
+                rows.widest,
+                dim=1,
+                out=(torch.empty(0, dtype=self.dtype, device=flat.device), self.columns),
+            )
             self.tops.copy_(tops)
         if rows.unkept is not None:
             self.tops.masked_fill_(rows.unkept, 0.0)
@@ -291,11 +311,15 @@ class _Scratch:
             return
         within = _within(self.split, c)
         if not bool(within.all()):
-            self.split.copy_(torch.where(within, self.split, self._peak_scaled(self.first, c.k64).unsqueeze(1)))
+            self.split.copy_(
+                torch.where(within, self.split, self._peak_scaled(self.first, c.k64).unsqueeze(1))
+            )
             self._halves()
         within = _within(self.means, c)
         if not bool(within.all()):
-            self.means.copy_(torch.where(within, self.means, self._peak_scaled(self.halves_values, c.k64.unsqueeze(1))))
+            self.means.copy_(
+                torch.where(within, self.means, self._peak_scaled(self.halves_values, c.k64.unsqueeze(1)))
+            )
 
     def _scaled(self) -> None:
         """Every mean peak-scaled (off the CPU, where checking the plain ones would wait for the device)."""
@@ -373,7 +397,9 @@ class _Constants:
         self.k = rows.k.to(work)
         self.k64 = rows.k.to(torch.float64)
         self.k64_flat = self.k64.view(-1)
-        divisor = torch.stack([self.k64, torch.ones_like(self.k64)], dim=2)  # (rows, 1, 2): values by k, counts by 1
+        divisor = torch.stack(
+            [self.k64, torch.ones_like(self.k64)], dim=2
+        )  # (rows, 1, 2): values by k, counts by 1
         self.divisor64 = divisor
         self.divisor = divisor.to(work)
         self.halves = torch.tensor([[False], [True]], device=device)
