@@ -76,14 +76,15 @@ class Rows:
         ks = torch.tensor(self.ks, dtype=torch.int64, device=device).unsqueeze(1)
         self.k = ks
         self.gather: torch.Tensor | None = None
-        """Where each place of the rows reads the magnitudes with a -1 after them (where chunks differ)."""
+        """Where each place of the rows reads the magnitudes (where chunks differ; past a chunk's end: 0)."""
+        self.past_end: torch.Tensor | None = None
+        """The places past a chunk's end, ``(rows, width)``: set to -1, below every magnitude."""
         if any(n != self.width for n in lengths):
             column = torch.arange(self.width, device=device)
             starts = torch.tensor(chunked.starts, dtype=torch.int64, device=device).unsqueeze(1)
             inside = column < torch.tensor(lengths, dtype=torch.int64, device=device).unsqueeze(1)
-            self.gather = (
-                torch.where(inside, starts + column, self.numel).view(-1).to(index_dtype(self.numel + 1))
-            )
+            self.gather = torch.where(inside, starts + column, 0).view(-1).to(index_dtype(self.numel))
+            self.past_end = inside.logical_not()
         places = torch.arange(self.blocked, device=device)
         self.indicator = places < ks
         """Each row's first ``k`` places of ``blocked``."""
@@ -156,15 +157,8 @@ class _Scratch:
         self.rows = rows
         self.dtype = dtype
         self.work = work
-        if rows.gather is None:
-            self.magnitudes = torch.empty(rows.numel, dtype=dtype, device=device)
-            self.head = self.magnitudes
-        else:
-            self.magnitudes = torch.empty(rows.numel + 1, dtype=dtype, device=device)
-            self.magnitudes[-1] = -1
-            self.head = self.magnitudes[: rows.numel]
-            self.gathered = torch.empty(count * rows.width, dtype=dtype, device=device)
-        self.matrix = (self.magnitudes if rows.gather is None else self.gathered).view(count, rows.width)
+        # the magnitudes (bucket-sized) are made in each call, memory the allocator reuses between steps; what
+        # is kept here is per row or per kept value
         self.columns = torch.empty(count, rows.widest, dtype=torch.int64, device=device)
         self.columns_flat = self.columns.view(-1)
         # channel 0: each row's top magnitudes (zeros after its k); channel 1: 1 at its first k places
@@ -266,14 +260,16 @@ class _Scratch:
     def _choose(self, flat: torch.Tensor) -> None:
         """Each row's sorted top ``max(k)`` magnitudes (``tops``, zeros after its ``k``) and their columns."""
         rows = self.rows
-        torch.abs(flat, out=self.head)
-        if rows.gather is not None:
-            torch.index_select(self.magnitudes, 0, rows.gather, out=self.gathered)
+        if rows.gather is None:
+            matrix = torch.abs(flat).view(rows.count, rows.width)
+        else:
+            matrix = flat.index_select(0, rows.gather).abs_().view(rows.count, rows.width)
+            matrix.masked_fill_(rows.past_end, -1.0)
         if self.dtype == self.work:
-            torch.topk(self.matrix, rows.widest, dim=1, out=(self.tops, self.columns))
+            torch.topk(matrix, rows.widest, dim=1, out=(self.tops, self.columns))
         else:
             tops, _ = torch.topk(
-                self.matrix,
+                matrix,
                 rows.widest,
                 dim=1,
                 out=(torch.empty(0, dtype=self.dtype, device=flat.device), self.columns),
