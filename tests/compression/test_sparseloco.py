@@ -118,11 +118,24 @@ def test_a_bucket_of_several_tensors_is_each_tensor_alone_back_to_back():
     alone = [torch.cat(parts) for parts in zip(*(compressor.compress(t)[0] for t in tensors), strict=True)]
     for part, part_alone in zip(payload[:-1], alone[:-1], strict=True):  # the words: the same bytes
         assert torch.equal(part, part_alone)
-    # the magnitudes: means summed row-wise in a bucket, by the plain reduction alone (the last bit may differ)
-    torch.testing.assert_close(payload[-1], alone[-1], rtol=1e-6, atol=0)
+    assert torch.equal(payload[-1], alone[-1])  # the magnitudes: the same means, row by row
     sent = compressor.decompress_segments(payload, ctx, segments)
     alone = torch.cat([_reference(t, 0.05, 1000) for t in tensors])
     torch.testing.assert_close(sent.double(), alone, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("other", [torch.zeros(4096), torch.full((4096,), 1e-30)], ids=["zeros", "tiny"])
+def test_a_chunks_magnitudes_do_not_depend_on_the_other_chunks_of_its_bucket(other):
+    """Each chunk's means are plain or peak-scaled on their own: a tensor's are the same bits alone and beside
+    a tensor of zeros (whose means, 0, are below the plain range) or of tiny values (peak-scaled). Before, one
+    such chunk made every chunk of its bucket take peak-scaled means, a few ulps off the plain ones."""
+    compressor = SparseLoCo(ef_decay=0)
+    for seed in range(8):
+        x = torch.randn(8 * 4096, generator=torch.Generator().manual_seed(seed)) * 10.0 ** (seed - 4)
+        alone = compressor.compress(x)[0]
+        segments = Segments.of([x, other], ["x", "other"])
+        payload, _ = compressor.compress_segments(torch.cat([x, other]), segments)
+        assert torch.equal(payload[-1][: alone[-1].numel()], alone[-1]), seed
 
 
 # -- the math ------------------------------------------------------------------------------------------------------
@@ -225,7 +238,7 @@ def test_state_dict_round_trip_resumes_bit_for_bit():
 
 
 def test_a_failed_step_drops_the_accumulator_rather_than_half_update_it(monkeypatch):
-    from gradcomm.compression.methods import sparseloco as module
+    from gradcomm.compression.methods import _sparseloco_rows as module
 
     compressor = SparseLoCo(ratio=0.1, chunk=64)
     x = torch.randn(200, generator=torch.Generator().manual_seed(4))
@@ -234,7 +247,7 @@ def test_a_failed_step_drops_the_accumulator_rather_than_half_update_it(monkeypa
     def failing(*args, **kwargs):
         raise RuntimeError("selection failed")
 
-    monkeypatch.setattr(module._Rows, "magnitudes", failing)  # the selection's first step
+    monkeypatch.setattr(module._Scratch, "_choose", failing)  # the selection's first step
     with pytest.raises(RuntimeError, match="selection failed"):
         _sent(compressor, x, key="w")
     assert compressor.state_dict() == {"accumulation": {}}

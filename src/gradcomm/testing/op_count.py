@@ -41,7 +41,8 @@ def count_aten_calls(fn: Callable[[], Any]) -> int:
 
 def hook_calls(hook: Callable[[Any, Any], torch.futures.Future[Any]], state: Any, bucket: GradBucket) -> int:
     """Operators of one call of ``hook(state, bucket)``, waited for; the bucket's values are restored before
-    each of the two untimed calls and the counted one (a hook writes its result into the bucket)."""
+    each of the two untimed calls and the counted one, and after it (a hook writes its result into the
+    bucket: the next hook counted on it sees the same gradients, not this one's mean)."""
     values = bucket.buffer().clone()
 
     def call() -> None:
@@ -51,7 +52,10 @@ def hook_calls(hook: Callable[[Any, Any], torch.futures.Future[Any]], state: Any
     for _ in range(2):
         call()
     bucket.buffer().copy_(values)
-    return count_aten_calls(lambda: hook(state, bucket).wait())
+    try:
+        return count_aten_calls(lambda: hook(state, bucket).wait())
+    finally:
+        bucket.buffer().copy_(values)
 
 
 def many_tensor_bucket(
