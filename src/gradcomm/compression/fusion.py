@@ -33,6 +33,7 @@ one and back.
 
 from __future__ import annotations
 
+import functools
 import threading
 import types
 import weakref
@@ -44,10 +45,38 @@ import torch
 from gradcomm.compression.base import SegmentedCompressor
 from gradcomm.compression.segments import Segments
 
-__all__ = ["CompiledCodec", "codec"]
+__all__ = ["CompiledCodec", "codec", "eager_under_compile"]
 
 _EAGER_ONCE: Any = object()
 """A layout's pass was run eagerly once (the next call compiles it)."""
+
+
+_EAGER: list[Any] = []
+"""The functions marked by :func:`eager_under_compile` (their one-element holders of the disabled form)."""
+
+
+def eager_under_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, run eagerly where ``torch.compile`` traces it (a graph break around it), as
+    ``torch.compiler.disable`` would; the disabled form is made by the first :class:`CompiledCodec`, so that
+    importing a method does not import ``torch._dynamo`` (over a second of CPU time) in a process that never
+    compiles."""
+    disabled: list[Callable[..., Any] | None] = [None]
+    _EAGER.append((fn, disabled))
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        eager = disabled[0]
+        if eager is not None and torch.compiler.is_compiling():
+            return eager(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return run
+
+
+def _disable_marked() -> None:
+    for fn, disabled in _EAGER:
+        if disabled[0] is None:
+            disabled[0] = torch.compiler.disable(fn, reason=f"{fn.__qualname__} runs eagerly (eager_under_compile)")
 
 
 def _own_code(method: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -81,6 +110,7 @@ class CompiledCodec:
     ) -> None:
         if not isinstance(compressor, SegmentedCompressor):
             raise TypeError(f"CompiledCodec: needs a SegmentedCompressor, got {type(compressor).__name__}")
+        _disable_marked()
         self.compressor = compressor
         self._settings: dict[str, Any] = {"backend": backend, "mode": mode, "options": options, "dynamic": dynamic}
         self._passes: weakref.WeakKeyDictionary[Segments, dict[str, Any]] = weakref.WeakKeyDictionary()

@@ -25,6 +25,7 @@ import torch
 
 from gradcomm.compression._numerics import index_dtype, work_dtype
 from gradcomm.compression._numerics.reductions import _PLAIN_FLOOR
+from gradcomm.compression.fusion import eager_under_compile
 from gradcomm.compression.segment_bits import pack_segments
 from gradcomm.compression.segment_sparse import Budget
 from gradcomm.compression.segments import _BLOCK, Segments
@@ -126,9 +127,7 @@ class Rows:
         finally:
             self._lock.release()
 
-    @torch.compiler.disable(
-        reason="written into buffers through views of other dtypes, which aot_autograd refuses"
-    )
+    @eager_under_compile  # it writes into buffers through views of other dtypes, which aot_autograd refuses
     def encode(self, flat: torch.Tensor) -> Encoded:
         """Encode ``flat`` (not modified): per row its top ``k`` magnitudes, sorted; the mean of each row's
         ``k`` (``split``); the halves above it and not, and each half's mean magnitude (``low``, ``high``),
