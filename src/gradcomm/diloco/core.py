@@ -47,9 +47,9 @@ class DiLoCo:
         inner_optimizer: the optimizer of the model's parameters (AdamW in the papers); :meth:`step` runs it.
         sync_every: ``H``, the inner steps between two outer syncs of a fragment (default 50: see "Defaults"
             in :mod:`gradcomm.diloco` for how it and the outer optimizer's defaults were measured).
-        fragments: Streaming DiLoCo's fragments (1: plain DiLoCo). 4 ended 1.6-2.3 points of loss closer to
-            allreduce than 1 at the same bytes in every pair measured, with a quarter of the peak bytes per
-            exchange (docs/notes/2026-11-28-diloco-unrepeated-corpus.md): worth setting for long runs.
+        fragments: Streaming DiLoCo's fragments (1: plain DiLoCo). 4 ended closer to allreduce's loss than 1
+            at the same bytes in every pair measured (8 of 8), with a quarter of the peak bytes per exchange
+            (docs/notes/2026-11-28-diloco-unrepeated-corpus.md): worth setting for long runs.
         fragment_unit: how the parameters, laid end to end, are cut into fragments: ``"row"`` (the default)
             at the row boundary nearest each ``1/F`` of the elements, so each exchange carries ``1/F`` of the
             model to within a row; ``"element"`` exactly there; ``"parameter"`` between whole parameters only
