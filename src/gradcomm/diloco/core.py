@@ -48,8 +48,8 @@ class DiLoCo:
         sync_every: ``H``, the inner steps between two outer syncs of a fragment (default 50: see "Defaults"
             in :mod:`gradcomm.diloco` for how it and the outer optimizer's defaults were measured).
         fragments: Streaming DiLoCo's fragments (1: plain DiLoCo). 4 ended closer to allreduce's loss than 1
-            at the same bytes in every pair measured (8 of 8), with a quarter of the peak bytes per exchange
-            (docs/notes/2026-11-28-diloco-unrepeated-corpus.md): worth setting for long runs.
+            at the same bytes in 8 of 9 pairs measured, with a quarter of the peak bytes per exchange
+            (docs/notes/2026-11-28-diloco-unrepeated-corpus.md).
         fragment_unit: how the parameters, laid end to end, are cut into fragments: ``"row"`` (the default)
             at the row boundary nearest each ``1/F`` of the elements, so each exchange carries ``1/F`` of the
             model to within a row; ``"element"`` exactly there; ``"parameter"`` between whole parameters only
