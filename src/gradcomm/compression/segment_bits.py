@@ -19,7 +19,7 @@ from gradcomm.compression._numerics import (
     work_dtype,
 )
 from gradcomm.compression._numerics.bits import _ROW_DTYPES
-from gradcomm.compression.segment_stats import Matrix, constant, scratch_view
+from gradcomm.compression.segment_stats import Matrix, constant
 from gradcomm.compression.segments import Segments, _ids, _placement, as_dtype
 
 __all__ = [
@@ -141,14 +141,11 @@ def _decode_by_segment(
     packed: torch.Tensor, bits: int, tables: torch.Tensor, segments: Segments, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``decode_bits`` with one table per segment: a byte ``b`` of segment ``s`` reads row ``256 s + b``
-    (:func:`_byte_offsets`: ``256 s`` in int32, one per byte, or a column of one per chunk of bytes). The
-    bytes' rows are computed in a :func:`scratch` buffer of the layout; at 8 bits a row is one value, looked
-    up in the flat tables."""
+    (:func:`_byte_offsets`: ``256 s`` in int32, one per byte, or a column of one per chunk of bytes); at 8
+    bits a row is one value, looked up in the flat tables."""
     offsets = _byte_offsets(segments, bits)
-    grid = (offsets.shape[0], packed.numel() // offsets.shape[0]) if offsets.dim() == 2 else (packed.numel(),)
-    rows, by_chunk = scratch_view(segments, f"bytes{bits}", (packed.numel(),), torch.int32, packed.device, grid)
-    rows.copy_(packed)
-    by_chunk.add_(offsets)
+    rows = torch.empty(packed.shape, dtype=torch.int32, device=packed.device).copy_(packed)
+    (rows.view(offsets.shape[0], -1) if offsets.dim() == 2 else rows).add_(offsets)
     if bits == 8:
         flat = tables.view(-1) if tables.is_contiguous() else tables.reshape(-1)
         usable = out is not None and out.is_contiguous() and out.dtype == flat.dtype and out.numel() == rows.numel()

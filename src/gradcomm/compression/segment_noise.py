@@ -13,7 +13,7 @@ import math
 import torch
 
 from gradcomm.compression._numerics import NOISE_SCALE
-from gradcomm.compression.segment_stats import constant, scratch, scratch_view
+from gradcomm.compression.segment_stats import constant
 from gradcomm.compression.segments import Padded, Segments, _ids, _placement, _starts
 
 __all__ = ["add_noise_", "seed_of", "segment_noise", "segment_words"]
@@ -51,31 +51,22 @@ def segment_noise(seeds: torch.Tensor, segments: Segments, multiple: int = 1) ->
     ``multiple`` (1: not padded): element ``i`` of segment ``s`` is 16 bits of SplitMix64's output for
     ``seeds[s] + (i // 4) * golden``, four elements per 64-bit word. Counter-based: what a segment gets depends
     on its seed alone, not on the bucket around it; times ``2**-16`` (``NOISE_SCALE``), uniform on
-    ``[-1/2, 1/2)`` as ``centred_noise``. Where the caller holds the layout
-    (:func:`~gradcomm.compression.segment_stats.held`), the noise may be its scratch buffer: read it before
-    returning."""
+    ``[-1/2, 1/2)`` as ``centred_noise``."""
     wanted = segments.padded(multiple) if multiple > 1 else None
     words_layout = segments.padded(math.lcm(multiple, 4))
     ids, places = _word_layout(words_layout)
-    # the words in a scratch buffer of the layout where its caller holds it (TernGrad: read before it returns)
-    words, noise = scratch_view(segments, "words", (ids.numel(),), torch.int64, seeds.device, torch.int16)
-    _mix(torch.index_select(seeds, 0, ids, out=words).add_(places, alpha=_GOLDEN))
+    noise = _mix(seeds.index_select(0, ids).add_(places, alpha=_GOLDEN)).view(torch.int16)
     target = wanted.lengths if wanted is not None else segments.lengths
     if tuple(target) == words_layout.lengths:
         return noise
     return noise.index_select(0, _placement_cached(segments, tuple(target), words_layout.lengths))
 
 
-def add_noise_(x: torch.Tensor, noise: torch.Tensor, offset: float, layout: object | None = None) -> torch.Tensor:
+def add_noise_(x: torch.Tensor, noise: torch.Tensor, offset: float) -> torch.Tensor:
     """``x + noise * NOISE_SCALE + offset`` in place (stochastic rounding, ``x`` flat, ``noise`` from
     :func:`segment_noise`): the noise converted once (an addition of int16 converts it anyway, in four calls),
-    into a :func:`~gradcomm.compression.segment_stats.scratch` buffer of ``layout`` where given; the offset a
-    0-d constant."""
-    if layout is None:
-        converted = torch.empty(noise.shape, dtype=x.dtype, device=x.device)
-    else:
-        converted = scratch(layout, "noise", tuple(noise.shape), x.dtype, x.device)
-    converted.copy_(noise)
+    the offset a 0-d constant."""
+    converted = torch.empty(noise.shape, dtype=x.dtype, device=x.device).copy_(noise)
     return x.add_(converted, alpha=NOISE_SCALE).add_(constant(offset, x.dtype, x.device))
 
 

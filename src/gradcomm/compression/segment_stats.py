@@ -40,6 +40,9 @@ __all__ = [
 
 
 _T = TypeVar("_T")
+_KEPT_PER = 32
+"""A :func:`scratch` buffer is kept on its layout only where it has at most one element per this many of the
+layout's."""
 
 
 class _Scratch:
@@ -101,7 +104,7 @@ def scratch_view(
     view: tuple[int, ...] | torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`scratch`, and its view of shape (or dtype) ``view``, made once with it (a view costs a call).
-    Only small buffers are kept (at most one element per :data:`_KEPT_PER` of the layout's: per-tensor,
+    Only small buffers are kept (:data:`_KEPT_PER`: per-tensor,
     per-chunk and per-block temporaries); one the size of the bucket is made in each call, as memory that
     the allocator can reuse between steps instead of memory held for the layout's life."""
     state = None if torch.compiler.is_compiling() else layout.__dict__.get("_scratch")
@@ -113,9 +116,6 @@ def scratch_view(
         tensor = torch.empty(shape, dtype=dtype, device=device)
         state.buffers[key] = (tensor, tensor if view is None else tensor.view(view))
     return state.buffers[key]
-
-
-_KEPT_PER = 32
 
 
 @functools.lru_cache(maxsize=256)

@@ -23,7 +23,7 @@ import torch
 from gradcomm.compression._numerics import as_uint8, decode_bits, work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedRowwiseCompressor
 from gradcomm.compression.segment_bits import decode_segments
-from gradcomm.compression.segment_stats import Matrix, constant, holding, scratch_view
+from gradcomm.compression.segment_stats import Matrix, constant, holding
 from gradcomm.compression.segments import Segments, as_dtype, segment_reduce
 from gradcomm.compression.two_stage import TwoStageAllreduce
 
@@ -55,10 +55,9 @@ class ByteGrad(
         scale, low_scaled, steps_per_unit = _steps(low, high)
         columns = [matrix.column(low_scaled, "low"), matrix.column(steps_per_unit, "steps")]
         positions = _positions_of(rows, None if scale is None else matrix.column(scale, "scale"), *columns)
-        # truncated through int16 (a float-to-uint8 conversion is slower on the CPU) in a buffer of the layout
-        truncated, grid = scratch_view(segments, "codes", (rows.numel(),), torch.int16, rows.device, tuple(rows.shape))
-        grid.copy_(positions)
-        codes = torch.empty(truncated.shape, dtype=torch.uint8, device=rows.device).copy_(truncated)
+        # truncated through int16 (a float-to-uint8 conversion is slower on the CPU)
+        truncated = torch.empty(rows.shape, dtype=torch.int16, device=rows.device).copy_(positions)
+        codes = torch.empty(rows.numel(), dtype=torch.uint8, device=rows.device).copy_(truncated.view(-1))
         return [codes, low.view(-1), high.view(-1)], None
 
     @staticmethod

@@ -32,7 +32,6 @@ from gradcomm.compression.segment_stats import (
     Matrix,
     constant,
     holding,
-    scratch_view,
     segment_absmax,
     segment_std,
     smallest_positive,
@@ -88,10 +87,10 @@ class TernGrad(
         # codes 0, 1, 2 for -scale, 0, +scale: 1 + p rounded stochastically (for p >= 0, 1 with chance p, else
         # 0; for p < 0, -1 with chance |p|, else 0); noise uniform on [-1/2, 1/2), plus 1/2, then truncated
         noise = segment_noise(self.segment_seeds(segments), segments)
-        positions = add_noise_(fraction, noise, 1.5, segments)
-        # truncated into bytes of the layout (through their int8 view: a float-to-uint8 conversion is slower)
-        codes, as_int8 = scratch_view(segments, "codes", tuple(positions.shape), torch.uint8, work.device, torch.int8)
-        as_int8.copy_(positions)
+        positions = add_noise_(fraction, noise, 1.5)
+        # truncated into bytes through their int8 view (a float-to-uint8 conversion is slower)
+        codes = torch.empty(positions.shape, dtype=torch.uint8, device=work.device)
+        codes.view(torch.int8).copy_(positions)
         return [pack_segments(codes, segments, 2), scales if scales.dim() == 1 else scales.view(-1)], None
 
     @holding
