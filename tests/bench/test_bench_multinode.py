@@ -178,6 +178,8 @@ def test_two_hosts_of_two_ranks_measure_the_host_links(tmp_path: Path, privilege
         exchange = diloco[0]["wire_bytes_per_step"][1] - diloco[0]["wire_bytes_per_step"][0]  # 2 ranks: 1x
         for run in diloco:
             if run["host_link_bytes"] is not None:
+                # nothing crosses before the first sync: not even the tail of the constructor's broadcast
+                assert max(run["host_link_bytes"][0]) < 0.02 * exchange, (run["host_link_bytes"], exchange)
                 for way in run["host_link_bytes"][-1]:
                     assert 0.9 < way / (2 * exchange) < 1.3, (run["host_link_bytes"], exchange)
         assert "one replica per host (2 hosts of 2 ranks" in (output / "logs" / "rank0.log").read_text()

@@ -258,6 +258,10 @@ def run_hook(
     compute = _compute_seconds(workload, model, choice, config, solo_group)
     logger.info("%s: training %d steps on %d ranks", choice.label, config.steps, world_size)
     trainer = _trainer(workload, model, choice, config, None)
+    # Building the trainer broadcasts rank 0's parameters; a shaped link may still be sending them when the
+    # constructor returns on rank 0. Once every rank has passed the barrier, they have all arrived, so the link's
+    # counters below start from training alone.
+    dist.barrier()
     losses, seconds, sent, wire = [], [], [], []
     link: list[tuple[int, int]] | None = None
     if config.host_link is not None:
