@@ -21,6 +21,7 @@ from the segmented form (a bucket of one), so both give the same payloads.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import contextvars
 import enum
@@ -378,13 +379,22 @@ class RandomizedCompressor(Compressor):
             self._draws[key] = count + 1
             digest = hashlib.blake2b(repr(("segments", self.seed, rank, key, count)).encode(), digest_size=8)
             seeds.append(seed_of(digest.digest()))
-        return torch.as_tensor(seeds, dtype=torch.int64, device=segments.device)
+        return _int64_tensor(seeds, segments.device)
 
     def state_dict(self) -> dict[str, Any]:
         return {"draws": dict(self._draws)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._draws = dict(state["draws"])
+
+
+def _int64_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``: on the CPU a view of their bytes (``frombuffer``, no torch
+    call, where ``as_tensor`` of a list costs three), holding them."""
+    if not values:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    flat = torch.frombuffer(array.array("q", values), dtype=torch.int64)
+    return flat if device.type == "cpu" else flat.to(device)
 
 
 class RowwiseCompressor(Compressor):

@@ -28,7 +28,8 @@ __all__ = [
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack unsigned codes ``< 2**bits`` (``bits`` in 1..8) along the last dimension at exactly ``bits`` bits
+    """Pack unsigned codes ``< 2**bits`` (``bits`` in 1..8; uint8, or int8 below 8 bits, are packed as their
+    bytes, other dtypes converted) along the last dimension at exactly ``bits`` bits
     each: ``ceil(length * bits / 8)`` bytes, zero padded.
 
     The bytes are one little-endian bit stream: code ``i`` sits at stream bits ``i * bits`` upwards (for 1, 2
@@ -42,13 +43,16 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
         raise ValueError(f"pack_bits: bits must be an integer in 1..8, got {bits!r}")
-    if codes.dtype != torch.uint8 and not (codes.dtype == torch.bool and bits == 1):  # bool: packed as its bytes
+    as_bytes = codes.dtype == torch.uint8 or (codes.dtype == torch.bool and bits == 1) or (
+        codes.dtype == torch.int8 and bits < 8
+    )
+    if not as_bytes:  # bool, int8 codes (below 2**bits < 128): packed as their bytes
         codes = as_uint8(codes, bits)
     if bits == 8:
         return codes
     length = codes.shape[-1]
     if length == 0:  # no codes, no bytes (and no lanes to view)
-        return codes
+        return codes.view(torch.uint8) if codes.dtype == torch.int8 else codes
     aligned = length % 8 == 0 and codes.is_contiguous() and codes.storage_offset() % 8 == 0
     padded = codes if aligned else torch.nn.functional.pad(codes, (0, -length % 8))  # a fresh, aligned copy
     if 8 % bits == 0:

@@ -80,7 +80,7 @@ class TernGrad(
             std = segment_std(work, segments, scales)
             # a constant tensor is not clipped
             clipped = torch.minimum(torch.mul(std, constant(self.clip, dtype, device)), scales)
-            scales = torch.where(torch.gt(std, constant(0.0, dtype, device)), clipped, scales)
+            scales = torch.where(torch.gt(std, constant(0.0, dtype, device)), clipped, scales, out=clipped)
         # p = x / scale (a zero scale: all zeros, which any nonzero divisor keeps), clipped to +-1 (x to +-scale)
         divisors = torch.clamp_min(scales, constant(smallest_positive(dtype), dtype, device))
         fraction = _divided(work, divisors, segments, self.clip is not None)
@@ -88,9 +88,8 @@ class TernGrad(
         # 0; for p < 0, -1 with chance |p|, else 0); noise uniform on [-1/2, 1/2), plus 1/2, then truncated
         noise = segment_noise(self.segment_seeds(segments), segments)
         positions = add_noise_(fraction, noise, 1.5)
-        # truncated into bytes through their int8 view (a float-to-uint8 conversion is slower)
-        codes = torch.empty(positions.shape, dtype=torch.uint8, device=work.device)
-        codes.view(torch.int8).copy_(positions)
+        # truncated into int8 (a float-to-uint8 conversion is slower), packed as their bytes
+        codes = torch.empty(positions.shape, dtype=torch.int8, device=work.device).copy_(positions)
         return [pack_segments(codes, segments, 2), scales if scales.dim() == 1 else scales.view(-1)], None
 
     @holding
