@@ -48,11 +48,17 @@ class RowLayout:
             return flat
         return torch.cat([flat, flat.new_zeros(1)]).index_select(0, self.to_rows)
 
-    def join(self, rows: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`cut`: the bucket's elements of rows, without the padding."""
+    def join(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Inverse of :meth:`cut`: the bucket's elements of rows, without the padding; ``out``: a flat tensor
+        of the bucket's elements and dtype they may be written into (a workspace used every step, where a
+        new tensor's pages are new every step), else a new one."""
         if self.world_size == 1:
             return rows if rows.dim() == 1 else rows.reshape(-1)
-        return rows.reshape(-1).index_select(0, self.from_rows)
+        flat = rows.reshape(-1)
+        usable = out is not None and out.dim() == 1 and out.is_contiguous() and out.dtype == rows.dtype
+        if usable and out.numel() == self.segments.numel and out.data_ptr() != flat.data_ptr():
+            return torch.index_select(flat, 0, self.from_rows, out=out)
+        return flat.index_select(0, self.from_rows)
 
     @staticmethod
     def of(segments: Segments, world_size: int) -> RowLayout:

@@ -23,6 +23,7 @@ from gradcomm.compression.segment_stats import Matrix, constant
 from gradcomm.compression.segments import Segments, _ids, _placement, as_dtype
 
 __all__ = [
+    "byte_codes",
     "byte_table",
     "decode_scaled_signs",
     "decode_segments",
@@ -82,7 +83,8 @@ def decode_scaled_signs(flat: torch.Tensor, scales: torch.Tensor, segments: Segm
     matrix = Matrix.of(segments)
     if matrix is None:
         return unpack_scaled_signs([pack_segments(not_negative(flat), segments, 1), scales], segments)
-    signed = torch.add(matrix.view(flat), constant(0.0, flat.dtype, flat.device)).nan_to_num_(nan=-1.0)
+    signed = torch.add(matrix.view(flat), constant(0.0, flat.dtype, flat.device))
+    torch.nan_to_num(signed, nan=-1.0, out=signed)  # as nan_to_num_, in one call where that is two
     return torch.copysign(matrix.column(as_dtype(scales, segments.dtype)), signed, out=signed).view(-1)
 
 
@@ -102,12 +104,22 @@ def unpack_scaled_signs(
 
 
 def decode_segments(
-    packed: torch.Tensor, segments: Segments, bits: int, tables: torch.Tensor, out: torch.Tensor | None = None
+    packed: torch.Tensor,
+    segments: Segments,
+    bits: int,
+    tables: torch.Tensor,
+    out: torch.Tensor | None = None,
+    by_byte: bool = False,
 ) -> torch.Tensor:
     """Inverse of :func:`pack_segments`, each code replaced by its value: ``tables[segment, code]`` with one
     row of ``2**bits`` values per segment (or one row for all). A lookup per byte, as ``decode_bits``.
     ``out``: a flat tensor of the segments' elements and the tables' dtype it may be written into (where the
-    decoding needs no padding removed)."""
+    decoding needs no padding removed). ``by_byte`` (``bits`` 1, 2 or 4): each row of ``tables`` holds the
+    values of every byte's codes already (``(segments, 256 * 8 // bits)``: a scale times
+    :func:`byte_codes`' values, one multiplication where the values of the codes and their expansion to
+    bytes were two calls more)."""
+    if by_byte and (8 % bits or bits == 8):
+        raise ValueError(f"decode_segments: by_byte tables need 1, 2 or 4 bits, got {bits}")
     per_segment = tables.dim() == 2 and tables.shape[0] > 1
     if bits == 8:  # a byte is a code, and segments are not padded
         if per_segment:
@@ -122,9 +134,10 @@ def decode_segments(
         codes = unpack_bits(bytes_, bits, padded.numel).to(torch.int64)
         decoded = tables.reshape(-1).index_select(0, codes)
     elif not per_segment:
-        decoded = lookup_bytes(bytes_, byte_table(tables, bits), padded.numel, out if padded.aligned else None)
+        table = tables.view(-1, 8 // bits) if by_byte else byte_table(tables, bits)
+        decoded = lookup_bytes(bytes_, table, padded.numel, out if padded.aligned else None)
     else:
-        decoded = _decode_by_segment(bytes_, bits, tables, segments, out if padded.aligned else None)
+        decoded = _decode_by_segment(bytes_, bits, tables, segments, out if padded.aligned else None, by_byte)
     return decoded if padded.aligned and decoded.numel() == segments.numel else padded.unpad(decoded)
 
 
@@ -138,7 +151,12 @@ def lookup_bytes(
 
 
 def _decode_by_segment(
-    packed: torch.Tensor, bits: int, tables: torch.Tensor, segments: Segments, out: torch.Tensor | None = None
+    packed: torch.Tensor,
+    bits: int,
+    tables: torch.Tensor,
+    segments: Segments,
+    out: torch.Tensor | None = None,
+    by_byte: bool = False,
 ) -> torch.Tensor:
     """``decode_bits`` with one table per segment: a byte ``b`` of segment ``s`` reads row ``256 s + b``
     (:func:`_byte_offsets`: ``256 s`` in int32, one per byte, or a column of one per chunk of bytes); at 8
@@ -149,31 +167,45 @@ def _decode_by_segment(
     if bits == 8:
         flat = tables.view(-1) if tables.is_contiguous() else tables.reshape(-1)
         usable = out is not None and out.is_contiguous() and out.dtype == flat.dtype and out.numel() == rows.numel()
-        return torch.index_select(flat, 0, rows, out=out.view(-1)) if usable else flat.index_select(0, rows)
-    return _looked_up(byte_table(tables, bits), rows, out)
+        return torch.index_select(flat, 0, rows, out=_flat(out)) if usable else flat.index_select(0, rows)
+    return _looked_up(tables if by_byte else _byte_rows(tables, bits), rows, out, 8 // bits)
 
 
-def _looked_up(table: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def _looked_up(
+    table: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None, per_byte: int | None = None
+) -> torch.Tensor:
     """Rows ``rows`` of a :func:`byte_table`, flat: a table of one value per byte is a flat lookup. ``out``:
-    where it may be written (flat, of the result's size and the table's dtype, contiguous), else ``None``."""
+    where it may be written (flat, of the result's size and the table's dtype, contiguous), else ``None``.
+    ``per_byte``: the values of a byte, where ``table`` is not viewed as one row of them per byte (a
+    :func:`_byte_rows` table: ``(segments, 256 * per_byte)``)."""
+    if per_byte is None:
+        per_byte = table.shape[1]
+    elif table.is_contiguous() and _ROW_DTYPES.get(per_byte * table.element_size()) is None:
+        table = table.view(-1, per_byte)
     usable = (
         out is not None and out.is_contiguous() and out.dtype == table.dtype
-        and out.numel() == rows.numel() * table.shape[1]
+        and out.numel() == rows.numel() * per_byte
     )
-    if table.shape[1] == 1:
+    if per_byte == 1:
         flat = table.view(-1)
-        return torch.index_select(flat, 0, rows, out=out.view(-1)) if usable else flat.index_select(0, rows)
-    row_dtype = _ROW_DTYPES.get(table.shape[1] * table.element_size())
+        return torch.index_select(flat, 0, rows, out=_flat(out)) if usable else flat.index_select(0, rows)
+    row_dtype = _ROW_DTYPES.get(per_byte * table.element_size())
     if row_dtype is None or not table.is_contiguous():  # rows copied as rows (one bit per code: 8 values)
+        table = table if table.shape[-1] == per_byte else table.reshape(-1, per_byte)
         if usable:
-            torch.index_select(table, 0, rows, out=out.view(-1, table.shape[1]))
-            return out.view(-1)
+            torch.index_select(table, 0, rows, out=out.view(-1, per_byte))
+            return _flat(out)
         return table.index_select(0, rows).view(-1)
     elements = table.view(row_dtype).view(-1)  # a row as one element
     if usable and out.storage_offset() * out.element_size() % row_dtype.itemsize == 0:
         torch.index_select(elements, 0, rows, out=out.view(row_dtype))
-        return out.view(-1)
+        return _flat(out)
     return elements.index_select(0, rows).view(table.dtype)
+
+
+def _flat(out: torch.Tensor) -> torch.Tensor:
+    """Contiguous ``out``, flat: itself where it is (a view costs a call)."""
+    return out if out.dim() == 1 else out.view(-1)
 
 
 def byte_table(tables: torch.Tensor, bits: int) -> torch.Tensor:
@@ -181,8 +213,23 @@ def byte_table(tables: torch.Tensor, bits: int) -> torch.Tensor:
     ``8 // bits`` codes: row ``256 s + b`` for byte ``b`` of segment ``s`` (:func:`_decode_by_segment`)."""
     if bits == 8:
         return tables.view(-1, 1) if tables.is_contiguous() else tables.reshape(-1, 1)
+    return _byte_rows(tables, bits).view(-1, 8 // bits)
+
+
+def _byte_rows(tables: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`byte_table` as ``(segments, 256 * codes per byte)``: the values of byte 0's codes, then of byte
+    1's, ... of each segment (``bits < 8``)."""
     rows = tables if tables.dim() == 2 else tables.view(1, -1)
-    return rows.index_select(1, _flat_patterns(bits, tables.device)).view(-1, 8 // bits)
+    return rows.index_select(1, _flat_patterns(bits, tables.device))
+
+
+@functools.lru_cache(maxsize=16)
+def byte_codes(values: tuple[float, ...], bits: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The values (``values[code]``) of the codes of byte 0, then of byte 1, ... (``256 * 8 // bits`` of
+    them, flat; ``bits`` 1, 2 or 4): a scale column times it is a ``by_byte`` table of
+    :func:`decode_segments`, the same products as the scale times each code's value. Made once per dtype
+    and device and shared: read it, never write it."""
+    return torch.tensor(values, dtype=dtype, device=device).index_select(0, _flat_patterns(bits, device))
 
 
 @functools.lru_cache(maxsize=16)

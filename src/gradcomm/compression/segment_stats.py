@@ -208,20 +208,25 @@ class Matrix:
         peak = torch.maximum(high, low.neg_())
         return self._by_segment(peak, "max").add_(constant(0.0, peak.dtype, peak.device))
 
-    def extreme(self, flat: torch.Tensor, reduce: str) -> torch.Tensor:
-        """Each segment's ``"max"`` or ``"min"``, as a ``(segments, 1)`` column."""
+    def extreme(self, flat: torch.Tensor, reduce: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Each segment's ``"max"`` or ``"min"``, as a ``(segments, 1)`` column: in ``out`` where given (such a
+        column; where a row is a segment, written there by the reduction itself)."""
         rows = self.view(flat)
-        partial = torch.amax(rows, dim=1, keepdim=True) if reduce == "max" else torch.amin(rows, dim=1, keepdim=True)
-        return self._by_segment(partial, reduce)
+        direct = out if self.ids is None else None
+        reduction = torch.amax if reduce == "max" else torch.amin
+        partial = reduction(rows, dim=1, keepdim=True) if direct is None else reduction(rows, dim=1, keepdim=True, out=direct)
+        result = self._by_segment(partial, reduce)
+        return result if out is None or result is out else out.copy_(result)
 
-    def mean(self, flat: torch.Tensor, into: str | None = None) -> torch.Tensor:
+    def mean(self, flat: torch.Tensor, into: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Each segment's mean as a ``(segments, 1)`` column, the bits of ``segment_reduce(flat, "mean",
         segments)``: float32 sums of blocks of 32 elements added in float64 (a plain row mean where a row is no
         multiple of 32 long). ``into``: the name of a :func:`scratch` buffer for the result, where the caller
-        reads it before it returns (else a new tensor)."""
+        reads it before it returns; ``out``: a ``(segments, 1)`` column to write it into (else a new tensor)."""
         length = self.length
         if length % _BLOCK:
-            return torch.mean(self.view(flat), dim=1, keepdim=True)
+            mean = torch.mean(self.view(flat), dim=1, keepdim=True)
+            return mean if out is None else out.copy_(mean)
         accumulation = torch.float32 if flat.dtype.itemsize < 4 else None
         blocks = torch.sum(flat.view(self.rows, length // _BLOCK, _BLOCK), dim=2, keepdim=True, dtype=accumulation)
         if blocks.dtype != torch.float64:  # into float64 rows of the blocks' sums, kept with their 2-d view
@@ -236,13 +241,14 @@ class Matrix:
             sums.div_(constant(float(length), torch.float64, flat.device))
         else:
             sums.div_(self._lengths)
-        if flat.dtype == torch.float64:
+        if flat.dtype == torch.float64 and out is None:
             return sums
-        out = (
-            torch.empty(sums.shape, dtype=flat.dtype, device=flat.device)
-            if into is None
-            else scratch(self.segments, into, tuple(sums.shape), flat.dtype, flat.device)
-        )
+        if out is None:
+            out = (
+                torch.empty(sums.shape, dtype=flat.dtype, device=flat.device)
+                if into is None
+                else scratch(self.segments, into, tuple(sums.shape), flat.dtype, flat.device)
+            )
         return out.copy_(sums)
 
 @functools.lru_cache(maxsize=8)
@@ -298,14 +304,15 @@ def segment_mean_abs(x: torch.Tensor, segments: Segments) -> torch.Tensor:
     return peak * segment_reduce(magnitude.div_(_expanded(nonzero_or_one(peak), segments)), "mean", segments)
 
 
-def segment_rms(x: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """Each segment's root mean square without overflow or underflow, as ``safe_rms`` for one tensor."""
+def segment_rms(x: torch.Tensor, segments: Segments, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each segment's root mean square without overflow or underflow, as ``safe_rms`` for one tensor; ``out``:
+    a ``(segments, 1)`` column the result may be written into (and is then returned as it is), else flat."""
     if x.device.type == "cpu":
         matrix = Matrix.of(segments)
         if matrix is not None:
-            mean_square = matrix.mean(torch.mul(x, x))
+            mean_square = matrix.mean(torch.mul(x, x), out=out)
             if _plain_ok(mean_square):
-                return mean_square.sqrt_().view(-1)
+                return mean_square.sqrt_() if out is not None else mean_square.sqrt_().view(-1)
         else:
             mean_square = segment_reduce(torch.mul(x, x), "mean", segments)
             if _plain_is_exact(mean_square):

@@ -38,7 +38,7 @@ from gradcomm.compression.communicators import (
 from gradcomm.compression.memory import Memory, NoMemory
 from gradcomm.compression.row_layout import RowLayout
 from gradcomm.compression.segments import Segments
-from gradcomm.compression.wire import PartLayout, TwoStageWire, Wire
+from gradcomm.compression.wire import PartLayout, TwoStageWire, Wire, writing_into
 
 __all__ = ["TwoStageAllreduce"]
 
@@ -173,9 +173,10 @@ class TwoStageAllreduce(Communicator):
             if decoded is None:
                 decoded = compressor.decompress_segments(wire.scatter.unpack(), ctx, layout.rows)
             mean = decoded if world_size == 1 else ordered_mean(decoded.view(world_size, -1).unbind(0), world_size)
-            payload, server_ctx = compensated_compress_segments(
-                compressor, server_memory, layout.row, mean, owned=True
-            )
+            with writing_into(wire.gather):  # parts computed into their slots
+                payload, server_ctx = compensated_compress_segments(
+                    compressor, server_memory, layout.row, mean, owned=True
+                )
             reduced.append(server_ctx)
             wire.gather.load(payload)
             return _all_gather(wire.gather.send, group, wire.gather.receive)
@@ -183,9 +184,10 @@ class TwoStageAllreduce(Communicator):
         def decompress(fut: torch.futures.Future[torch.Tensor]) -> list[torch.Tensor]:
             fut.value()
             decoded = _own(reduced[0], world_size)
-            if decoded is None:
-                decoded = compressor.decompress_segments(wire.gather.unpack(), ctx, layout.rows)
-            return [layout.join(decoded)]
+            if decoded is None:  # on one rank the rows are the bucket: decoded into the mean's place
+                out = message.out if world_size == 1 else None
+                decoded = compressor.decompress_segments(wire.gather.unpack(), ctx, layout.rows, out)
+            return [layout.join(decoded, message.out)]
 
         return launcher.launch_after(received, reduce, send.device).then(decompress)
 

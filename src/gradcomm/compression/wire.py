@@ -20,11 +20,15 @@ hook keeps one per bucket layout and marks it :attr:`Wire.busy` until its exchan
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GatherWire", "RowWire", "SumWire", "TwoStageWire", "Wire"]
+__all__ = ["GatherWire", "RowWire", "Slot", "SumWire", "TwoStageWire", "Wire", "payload_slot", "writing_into"]
 
 PartLayout = tuple[int, torch.dtype]
 """``(elements, dtype)`` of one payload part."""
@@ -32,6 +36,41 @@ PartLayout = tuple[int, torch.dtype]
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a payload part goes on the wire: :attr:`view`, in the shape its encoding writes it (an ``out=``),
+    and :attr:`flat`, the slot itself, to return as the payload part (the wire then copies nothing)."""
+
+    view: torch.Tensor
+    flat: torch.Tensor
+
+
+_WRITING: contextvars.ContextVar[tuple[Wire, int] | None] = contextvars.ContextVar("gradcomm_wire", default=None)
+
+
+@contextlib.contextmanager
+def writing_into(wire: Wire | None, first: int = 0) -> Iterator[None]:
+    """Within it, the payload an encoding makes goes into ``wire``, its part ``i`` into slot ``first + i``
+    (:func:`payload_slot`): a context variable, so each thread sees its own."""
+    token = _WRITING.set(None if wire is None else (wire, first))
+    try:
+        yield
+    finally:
+        _WRITING.reset(token)
+
+
+def payload_slot(index: int, shape: tuple[int, ...], dtype: torch.dtype) -> Slot | None:
+    """The slot of part ``index`` of the payload being encoded (:func:`writing_into`), where it is one
+    contiguous run of ``shape``'s elements of ``dtype`` that its part may be written into as it is computed
+    (one ``out=`` where a copy into the wire cost a call, and a new tensor often one more); ``None``
+    elsewhere (no wire, a compiled encoding, a slot of rows for several ranks, another size or dtype)."""
+    writing = _WRITING.get()
+    if writing is None or torch.compiler.is_compiling():
+        return None
+    wire, first = writing
+    return wire.slot(first + index, tuple(shape), dtype)
 
 
 class Wire:
@@ -54,6 +93,11 @@ class Wire:
         for index, part in enumerate(parts):
             if part is not self.slots[index]:
                 self._load(index, self._checked(index, part))
+
+    def slot(self, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> Slot | None:
+        """:func:`payload_slot`'s slot ``index`` (views made once per shape); ``None`` where a part is not
+        sent as it is (an allreduce's is divided as it is loaded)."""
+        return None
 
     def divisor(self, index: int) -> torch.Tensor | None:
         """What part ``index`` is divided by as it is written into its slot (``None``: nothing)."""
@@ -139,6 +183,18 @@ class RowWire(Wire):
             if byte_slot is not None and parts[index] is self.slots[index]:
                 byte_slot.copy_(self.slots[index].view(self._send_rows, -1).view(torch.uint8))
 
+    def slot(self, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> Slot | None:
+        if index >= len(self.slots):
+            return None
+        numel, part_dtype = self.layout[index]
+        flat = self.slots[index]
+        if part_dtype != dtype or math.prod(shape) != numel or flat.dim() != 1 or not flat.is_contiguous():
+            return None
+        cache = self.__dict__.setdefault("_slots", {})
+        if (index, shape) not in cache:
+            cache[index, shape] = Slot(flat if shape == (numel,) else flat.view(shape), flat)
+        return cache[index, shape]
+
     def rows(self, index: int) -> tuple[torch.Tensor, ...]:
         """Part ``index`` as received, one tensor per row (made once)."""
         cache = self.__dict__.setdefault("_rows", {})
@@ -180,6 +236,9 @@ class TwoStageWire(Wire):
 
     def load(self, parts: Sequence[torch.Tensor]) -> None:
         self.scatter.load(parts)
+
+    def slot(self, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> Slot | None:
+        return self.scatter.slot(index, shape, dtype)
 
 
 class SumWire(Wire):

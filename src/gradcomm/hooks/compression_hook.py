@@ -45,7 +45,7 @@ from gradcomm.compression.base import Compressor, SegmentedCompressor
 from gradcomm.compression.communicators import Communicator, Message
 from gradcomm.compression.fusion import codec as fused_codec
 from gradcomm.compression.memory import Memory, NoMemory, ResidualMemory
-from gradcomm.compression.wire import Wire
+from gradcomm.compression.wire import Wire, writing_into
 from gradcomm.hooks.compression_plan import _DENSE, _itemsize, _Part, _Plan, _Workspace
 from gradcomm.hooks.hook_state import HookState
 from gradcomm.hooks.parameter_keys import Key, ParameterKeys, SavedKeyCheck
@@ -271,9 +271,10 @@ def _encoded(
         batches.setdefault(communicator, []).append((plan.dense, message))
     if plan.compressed is not None:
         flat, owned, compensated = _compensated_take(plan.compressed, buffer, state.memory, work.values)
-        message = method.encode_segments(
-            compressor, plan.compressed.segments, flat, state.memory, world_size, owned, compensated
-        )
+        with writing_into(work.wires.get(method), work.compressed_first):  # parts computed into their slots
+            message = method.encode_segments(
+                compressor, plan.compressed.segments, flat, state.memory, world_size, owned, compensated
+            )
         message.out = flat if not owned else work.decoded
         if work.decoded is not None:
             kept.append(work.decoded)

@@ -319,9 +319,13 @@ class _Workspace:
             segments = plan.dense.segments
             self.dense_communicator = method if method.carries_dense(world_size) else _DENSE.communicator
             layouts.setdefault(self.dense_communicator, []).append((segments.numel, segments.dtype))
+        self.compressed_first = 0
+        """The compressed payload's first part in its communicator's wire (after a dense part it carries)."""
         if compressed is not None:
             segments = compressed.segments
-            layouts.setdefault(method, []).extend(method.payload_layout(compressor, segments, world_size))
+            parts = method.payload_layout(compressor, segments, world_size)
+            self.compressed_first = len(layouts.get(method, ()))
+            layouts.setdefault(method, []).extend(parts)
         name = compressor.name or type(compressor).__name__
         device = (compressed or plan.dense).segments.device  # type: ignore[union-attr]
         self.wires = {

@@ -26,6 +26,7 @@ from gradcomm.compression.segment_bits import decode_segments
 from gradcomm.compression.segment_stats import Matrix, constant, holding
 from gradcomm.compression.segments import Segments, as_dtype, segment_reduce
 from gradcomm.compression.two_stage import TwoStageAllreduce
+from gradcomm.compression.wire import payload_slot
 
 __all__ = ["ByteGrad"]
 
@@ -50,15 +51,25 @@ class ByteGrad(
         if matrix is None:
             return self._compress_runs(work, segments)
         rows = matrix.view(work.contiguous())
-        # each segment's minimum and maximum as (segments, 1) columns, a column per row of the matrix apiece
-        low, high = matrix.extreme(rows, "min"), matrix.extreme(rows, "max")
+        # each segment's minimum and maximum as (segments, 1) columns, a column per row of the matrix apiece,
+        # computed into the wire's slots where the hook has them (payload_slot)
+        column = (len(segments), 1)
+        slots = [payload_slot(1, column, work.dtype), payload_slot(2, column, work.dtype)]
+        low = matrix.extreme(rows, "min", None if slots[0] is None else slots[0].view)
+        high = matrix.extreme(rows, "max", None if slots[1] is None else slots[1].view)
         scale, low_scaled, steps_per_unit = _steps(low, high)
         columns = [matrix.column(low_scaled, "low"), matrix.column(steps_per_unit, "steps")]
         positions = _positions_of(rows, None if scale is None else matrix.column(scale, "scale"), *columns)
         # truncated through int16 (a float-to-uint8 conversion is slower on the CPU)
         truncated = torch.empty(rows.shape, dtype=torch.int16, device=rows.device).copy_(positions)
-        codes = torch.empty(rows.numel(), dtype=torch.uint8, device=rows.device).copy_(truncated.view(-1))
-        return [codes, low.view(-1), high.view(-1)], None
+        code_slot = payload_slot(0, tuple(rows.shape), torch.uint8)
+        if code_slot is None:
+            codes = torch.empty(rows.numel(), dtype=torch.uint8, device=rows.device).copy_(truncated.view(-1))
+        else:
+            codes = code_slot.flat
+            code_slot.view.copy_(truncated)
+        flats = [low.view(-1) if slot is None else slot.flat for low, slot in zip((low, high), slots, strict=True)]
+        return [codes, *flats], None
 
     @staticmethod
     def _compress_runs(work: torch.Tensor, segments: Segments) -> tuple[Payload, None]:

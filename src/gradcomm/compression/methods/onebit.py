@@ -33,6 +33,7 @@ from gradcomm.compression.segment_bits import (
 from gradcomm.compression.segment_stats import holding, segment_rms
 from gradcomm.compression.segments import Segments, as_dtype
 from gradcomm.compression.two_stage import TwoStageAllreduce
+from gradcomm.compression.wire import payload_slot
 
 __all__ = ["OneBit"]
 
@@ -48,8 +49,10 @@ class OneBit(SegmentedRowwiseCompressor, name="onebit", summary="two-stage error
 
     @holding
     def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[Payload, OwnDecoding]:
-        scales = segment_rms(as_dtype(flat, work_dtype(flat.dtype)), segments)
-        payload, state = encode_scaled_signs(flat, segments, scales)
+        work = as_dtype(flat, work_dtype(flat.dtype))
+        slot = payload_slot(1, (len(segments), 1), work.dtype)  # the scales computed into the wire's slot
+        scales = segment_rms(work, segments, None if slot is None else slot.view)
+        payload, state = encode_scaled_signs(flat, segments, slot.flat if slot is not None and scales is slot.view else scales)
         return payload, OwnDecoding(state)
 
     @holding

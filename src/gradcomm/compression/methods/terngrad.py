@@ -18,7 +18,6 @@ the same whatever order the tensors are compressed in. The noise has 16 bits
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -26,7 +25,7 @@ import torch
 from gradcomm.compression._numerics import work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, RandomizedCompressor, SegmentedCompressor
 from gradcomm.compression.communicators import ALLGATHER
-from gradcomm.compression.segment_bits import decode_segments, pack_segments, packed_lengths
+from gradcomm.compression.segment_bits import byte_codes, decode_segments, pack_segments, packed_lengths
 from gradcomm.compression.segment_noise import add_noise_, segment_noise
 from gradcomm.compression.segment_stats import (
     Matrix,
@@ -37,15 +36,9 @@ from gradcomm.compression.segment_stats import (
     smallest_positive,
 )
 from gradcomm.compression.segments import Segments, as_dtype
+from gradcomm.compression.wire import payload_slot
 
 __all__ = ["TernGrad"]
-
-
-@functools.lru_cache(maxsize=16)
-def _ternary(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """What codes 0, 1, 2 mean: -1, 0, +1 times the scale (code 3 is never sent). Made once per dtype and device
-    and shared: read it, never write it."""
-    return torch.arange(4, dtype=dtype, device=device) - 1
 
 
 class TernGrad(
@@ -76,11 +69,14 @@ class TernGrad(
             scales = matrix.absmax(work)
         else:
             scales = segment_absmax(work, segments)
+        slot = None
         if self.clip is not None:
             std = segment_std(work, segments, scales)
-            # a constant tensor is not clipped
+            # a constant tensor is not clipped; the scales computed into the wire's slot where there is one
             clipped = torch.minimum(torch.mul(std, constant(self.clip, dtype, device)), scales)
-            scales = torch.where(torch.gt(std, constant(0.0, dtype, device)), clipped, scales, out=clipped)
+            slot = payload_slot(1, tuple(clipped.shape), dtype)
+            chosen = clipped if slot is None else slot.view
+            scales = torch.where(torch.gt(std, constant(0.0, dtype, device)), clipped, scales, out=chosen)
         # p = x / scale (a zero scale: all zeros, which any nonzero divisor keeps), clipped to +-1 (x to +-scale)
         divisors = torch.clamp_min(scales, constant(smallest_positive(dtype), dtype, device))
         fraction = _divided(work, divisors, segments, self.clip is not None)
@@ -90,15 +86,18 @@ class TernGrad(
         positions = add_noise_(fraction, noise, 1.5)
         # truncated into int8 (a float-to-uint8 conversion is slower), packed as their bytes
         codes = torch.empty(positions.shape, dtype=torch.int8, device=work.device).copy_(positions)
-        return [pack_segments(codes, segments, 2), scales if scales.dim() == 1 else scales.view(-1)], None
+        flat_scales = slot.flat if slot is not None else scales if scales.dim() == 1 else scales.view(-1)
+        return [pack_segments(codes, segments, 2), flat_scales], None
 
     @holding
     def decompress_segments(
         self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         packed, scales = payload
-        tables = as_dtype(torch.mul(_ternary(scales.dtype, scales.device), scales.view(-1, 1)), segments.dtype)
-        return decode_segments(packed, segments, 2, tables, out)
+        # each byte's four codes' values times the scale: one multiplication for the table of every byte
+        values = byte_codes((-1.0, 0.0, 1.0, 2.0), 2, scales.dtype, scales.device)
+        tables = as_dtype(torch.mul(values, scales.view(-1, 1)), segments.dtype)
+        return decode_segments(packed, segments, 2, tables, out, by_byte=True)
 
 
 def _divided(work: torch.Tensor, divisors: torch.Tensor, segments: Segments, clip: bool) -> torch.Tensor:
