@@ -168,7 +168,7 @@ def test_stochastic_rounding_at_the_noise_extremes(make, noise, dtype, monkeypat
     comments are tight (u = 1 - 2**-16 on a whole level, 127 levels too)."""
     compressor = make()
     qsgd = isinstance(compressor, QSGD)
-    def constant_noise(seeds, segments, multiple=1, rows=1):
+    def constant_noise(seeds, segments, multiple=1):
         return torch.full((segments.padded(multiple).numel,), noise, dtype=torch.int16)
 
     monkeypatch.setattr(sys.modules[type(compressor).__module__], "segment_noise", constant_noise)

@@ -410,7 +410,7 @@ CEILINGS = {
     "randomk": 35,
     "signsgd": 58,
     "sparseloco": 66,
-    "terngrad": 84,
+    "terngrad": 88,
     "topk": 36,
 }
 """aten calls of one hook call beyond a plain allreduce's (allreduce: its own), at most, at 28 and at 800
@@ -422,8 +422,8 @@ statistics kept as columns and small scratch buffers per layout; 72 -> 64 with i
 wire's slots) and SparseLoCo (295 / 297 before its buffers and one check of its means, 2026-11-28); ByteGrad
 (89 -> 83: two stages of encoding; 81 -> 65 with its minima, maxima and codes computed into the wire's slots
 and stage 2 decoded into the hook's workspace). TernGrad is above it (two means of blocks for its clipping's
-standard deviation, 108 -> 97; 96 -> 81 with one ``aminmax``, its seeds without torch calls, its noise made as
-the matrix's rows and its decoding table of every byte in one multiplication; see
+standard deviation, 108 -> 97; 96 -> 85 with its seeds without torch calls, its scales computed into the
+wire's slot and its decoding table of every byte in one multiplication; see
 docs/notes/2026-11-28-segmented-codecs.md)."""
 
 
@@ -483,7 +483,7 @@ SHAPES_CEILINGS = {
     "qsgd": 69,
     "randomk": 33,
     "signsgd": 90,
-    "terngrad": 92,
+    "terngrad": 96,
     "sparseloco": 84,
     "topk": 68,
 }
@@ -493,7 +493,7 @@ and DGC went on paying per run of the chunked top-k's setup, 204 / 213, before i
 ``nonzero`` (63 / 67); SparseLoCo's, 2,221 / 48,768 while its chunks went run by run, before they became rows
 of one matrix (301 / 302), and 82 / 82 since its buffers and one check of its means; ByteGrad, OneBit and
 TernGrad went from 119 / 91 / 124 to 95 / 77 / 104 when chunks' statistics went to their tensors by one
-``segment_reduce`` and their small temporaries into buffers of the layout, and to 81 / 69 / 89 with payload
+``segment_reduce`` and their small temporaries into buffers of the layout, and to 81 / 69 / 93 with payload
 parts computed into the wire's slots and fewer calls of decoding (QSGD 70 -> 66, random-k 33 -> 30)."""
 
 
@@ -513,7 +513,7 @@ MODEL_CEILINGS = {
     "randomk": 40,
     "signsgd": 63,
     "sparseloco": 80,
-    "terngrad": 98,
+    "terngrad": 102,
     "topk": 74,
 }
 """aten calls of one hook call beyond a plain allreduce's on a real model's gradients of one batch as one bucket
@@ -528,8 +528,8 @@ random-k 46 / 44 -> 41 / 40, signSGD 64 / 61 -> 60 / 58, SparseLoCo 273 / 275 ->
 kept as columns, small temporaries in buffers of the layout (2026-11-28): ByteGrad 127 / 125 -> 103 / 101,
 OneBit 101 / 98 -> 87 / 84, TernGrad 130 / 129 -> 110 / 109, EF-sign 61 / 58 -> 57 / 54, QSGD 77 / 76 -> 76 /
 75; SparseLoCo's buffers and one check of its means: 269 / 272 -> 77 / 80. Payload parts computed into the
-wire's slots, one ``aminmax``, seeds without torch calls, fewer calls of decoding (2026-11-28): ByteGrad 103 /
-101 -> 88 / 87, OneBit 87 / 84 -> 79 / 76, TernGrad 110 / 109 -> 95 / 94, QSGD 76 / 75 -> 72 / 71, random-k
+wire's slots, seeds without torch calls, fewer calls of decoding (2026-11-28): ByteGrad 103 / 101 -> 88 / 87,
+OneBit 87 / 84 -> 79 / 76, TernGrad 110 / 109 -> 99 / 98, QSGD 76 / 75 -> 72 / 71, random-k
 40 / 39 -> 37 / 36, EF-sign 57 / 54 -> 56 / 53 (the pins: these, with a few to spare)."""
 
 

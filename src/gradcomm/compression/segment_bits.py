@@ -14,7 +14,6 @@ import torch
 
 from gradcomm.compression._numerics import (
     pack_bits,
-    pack_flat,
     sign_values,
     unpack_bits,
     work_dtype,
@@ -50,10 +49,6 @@ def pack_segments(codes: torch.Tensor, segments: Segments, bits: int) -> torch.T
     if bits == 8:
         return codes
     padded = segments.padded(8)
-    if codes.dim() > 1:  # a Matrix's rows, contiguous: packed as the flat codes are, without a flat view
-        if padded.aligned and 8 % bits == 0 and codes.shape[-1] % 8 == 0:
-            return pack_flat(codes, bits)
-        codes = codes.reshape(-1)
     packed = pack_bits(padded.pad(codes), bits)
     if padded.aligned:
         return packed

@@ -46,20 +46,15 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x.bitwise_xor_(_shifted_right(x, 31))
 
 
-def segment_noise(seeds: torch.Tensor, segments: Segments, multiple: int = 1, rows: int = 1) -> torch.Tensor:
+def segment_noise(seeds: torch.Tensor, segments: Segments, multiple: int = 1) -> torch.Tensor:
     """Independent int16, uniform over all 65,536 values, one per element of ``segments`` padded to
     ``multiple`` (1: not padded): element ``i`` of segment ``s`` is 16 bits of SplitMix64's output for
     ``seeds[s] + (i // 4) * golden``, four elements per 64-bit word. Counter-based: what a segment gets depends
     on its seed alone, not on the bucket around it; times ``2**-16`` (``NOISE_SCALE``), uniform on
-    ``[-1/2, 1/2)`` as ``centred_noise``. ``rows``: as that many rows of equal length (the segments'
-    :class:`~gradcomm.compression.segment_stats.Matrix`, whose values then need no flat view) where no segment
-    is padded and a row is whole words; else flat."""
+    ``[-1/2, 1/2)`` as ``centred_noise``."""
     wanted = segments.padded(multiple) if multiple > 1 else None
     words_layout = segments.padded(math.lcm(multiple, 4))
     ids, places = _word_layout(words_layout)
-    if rows > 1 and wanted is None and words_layout.aligned and ids.numel() % rows == 0:
-        ids_rows, places_rows = _word_rows(words_layout, rows)  # the same words, as rows: one take
-        return _mix(torch.take(seeds, ids_rows).add_(places_rows, alpha=_GOLDEN)).view(torch.int16)
     noise = _mix(seeds.index_select(0, ids).add_(places, alpha=_GOLDEN)).view(torch.int16)
     target = wanted.lengths if wanted is not None else segments.lengths
     if tuple(target) == words_layout.lengths:
@@ -97,15 +92,6 @@ def _word_layout(padded: Padded) -> tuple[torch.Tensor, torch.Tensor]:
         places = torch.arange(len(ids), device=ids.device).sub_(starts.index_select(0, ids))
         padded._words = (ids, places)
     return padded._words
-
-
-def _word_rows(padded: Padded, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_word_layout` as ``(rows, words per row)`` views (cached)."""
-    cache = padded.__dict__.setdefault("_word_rows", {})
-    if rows not in cache:
-        ids, places = _word_layout(padded)
-        cache[rows] = (ids.view(rows, -1), places.view(rows, -1))
-    return cache[rows]
 
 
 def seed_of(digest: bytes) -> int:

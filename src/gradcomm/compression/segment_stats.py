@@ -200,12 +200,11 @@ class Matrix:
     def absmax(self, flat: torch.Tensor) -> torch.Tensor:
         """Each segment's largest magnitude (NaN where it has one; +0 where all are zeros), as a ``(segments,
         1)`` column; ``flat`` may be its :meth:`view` already, as for the other statistics. The larger of the
-        row's maximum and its minimum negated (one ``aminmax`` pass, where ``abs`` writes a bucket-sized tensor
-        and an inf-norm is several times slower on the CPU), plus +0 (a -0 of zeros made +0). ``aminmax``
-        may pick another zero's sign, or another NaN, than ``amax`` and ``amin``; the maximum of the two,
-        plus +0, is the same bits (a NaN's too)."""
-        low, high = torch.aminmax(self.view(flat), dim=1, keepdim=True)
-        peak = torch.maximum(high, low.neg_())
+        row's maximum and its minimum negated (two reading passes, where ``abs`` writes a bucket-sized tensor
+        and an inf-norm, or ``aminmax`` by row, is several times slower on the CPU), plus +0 (a -0 of zeros
+        made +0)."""
+        rows = self.view(flat)
+        peak = torch.maximum(torch.amax(rows, dim=1, keepdim=True), torch.amin(rows, dim=1, keepdim=True).neg_())
         return self._by_segment(peak, "max").add_(constant(0.0, peak.dtype, peak.device))
 
     def extreme(self, flat: torch.Tensor, reduce: str, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,7 +20,6 @@ __all__ = [
     "gather_rows",
     "majority_signs",
     "pack_bits",
-    "pack_flat",
     "pack_signs",
     "sign_values",
     "unpack_bits",
@@ -77,15 +76,6 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     width, spacing = _packed_field(bits)
     packed = words.view(torch.uint8).reshape(*codes.shape[:-1], -1, spacing // 8)[..., : width // 8]
     return packed.reshape(*codes.shape[:-1], -1)[..., : -(-length * bits // 8)]
-
-
-def pack_flat(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """:func:`pack_bits` of ``codes`` flattened (1, 2 or 4 bits; uint8, or int8 codes as their bytes) for
-    contiguous codes of any shape whose last dimension is a multiple of 8, without a flat view of them: the
-    lanes' top bytes as one strided view (four calls)."""
-    lane_bytes = 8 // bits
-    product = torch.mul(codes.view(_LANES[bits]), _multiplier(bits, codes.device)).view(torch.uint8)
-    return product.as_strided((codes.numel() * bits // 8,), (lane_bytes,), lane_bytes - 1)
 
 
 _LANES = {1: torch.int64, 2: torch.int32, 4: torch.int16}

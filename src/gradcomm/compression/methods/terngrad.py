@@ -82,9 +82,8 @@ class TernGrad(
         fraction = _divided(work, divisors, segments, self.clip is not None)
         # codes 0, 1, 2 for -scale, 0, +scale: 1 + p rounded stochastically (for p >= 0, 1 with chance p, else
         # 0; for p < 0, -1 with chance |p|, else 0); noise uniform on [-1/2, 1/2), plus 1/2, then truncated
-        # as the fractions' rows where they are a matrix
-        noise = segment_noise(self.segment_seeds(segments), segments, rows=fraction.shape[0] if fraction.dim() == 2 else 1)
-        positions = add_noise_(fraction if noise.shape == fraction.shape else fraction.view(-1), noise, 1.5)
+        noise = segment_noise(self.segment_seeds(segments), segments)
+        positions = add_noise_(fraction, noise, 1.5)
         # truncated into int8 (a float-to-uint8 conversion is slower), packed as their bytes
         codes = torch.empty(positions.shape, dtype=torch.int8, device=work.device).copy_(positions)
         flat_scales = slot.flat if slot is not None else scales if scales.dim() == 1 else scales.view(-1)
@@ -102,15 +101,14 @@ class TernGrad(
 
 
 def _divided(work: torch.Tensor, divisors: torch.Tensor, segments: Segments, clip: bool) -> torch.Tensor:
-    """``work / divisor`` of its segment (clipped to ``[-1, 1]``), in a new tensor; ``work``: flat, or the
-    segments' :class:`~gradcomm.compression.segment_stats.Matrix` view of it where they have one (the result
-    is then that matrix too)."""
+    """``work / divisor`` of its segment (clipped to ``[-1, 1]``), flat, in a new tensor; ``work``: flat, or the
+    segments' :class:`~gradcomm.compression.segment_stats.Matrix` view of it where they have one."""
     matrix = Matrix.of(segments)
     if matrix is not None:  # work is its view
         fraction = torch.div(work, matrix.column(divisors))
         if clip:  # a NaN kept as it is
             fraction.clamp_(constant(-1.0, fraction.dtype, fraction.device), constant(1.0, fraction.dtype, fraction.device))
-        return fraction
+        return fraction.view(-1)
     return segments.groups.rowwise_into(
         lambda target, rows, scale: torch.div(rows, scale, out=target).clamp_(-1, 1) if clip
         else torch.div(rows, scale, out=target),
