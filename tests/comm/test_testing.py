@@ -155,6 +155,15 @@ def _surroundings() -> tuple[str, str | None, bool, int]:
     return os.getcwd(), os.environ.get("GRADCOMM_CHECK_VARIABLE"), "torch._dynamo" in sys.modules, os.getppid()
 
 
+def _unseeded_draws() -> tuple[int, float, float, float]:
+    """This rank's torch seed and a draw from each unseeded generator: torch, numpy, Python's random."""
+    import random
+
+    import numpy as np
+
+    return torch.initial_seed(), torch.rand(()).item(), float(np.random.rand()), random.random()
+
+
 @pytest.mark.timeout(120)
 def test_forked_ranks_get_the_callers_directory_and_environment(tmp_path, monkeypatch):
     """Ranks forked from the server (what this suite uses) start where the caller is, without dynamo loaded
@@ -166,6 +175,16 @@ def test_forked_ranks_get_the_callers_directory_and_environment(tmp_path, monkey
     assert run_on_ranks(_surroundings, 2) == [(str(tmp_path), None, False, server)] * 2
     monkeypatch.setenv("GRADCOMM_CHECK_VARIABLE", "seen")
     assert run_on_ranks(_surroundings, 2) == [(str(tmp_path), "seen", False, os.getpid())] * 2
+
+
+@pytest.mark.timeout(120)
+def test_forked_ranks_draw_their_own_random_streams(monkeypatch):
+    """As spawned ranks do: a test relying on unseeded ranks differing (replicas to be synchronised, drift to
+    be found) must not pass because every forked rank inherited the server's generators."""
+    monkeypatch.setenv(START_METHOD_ENV, "forkserver")
+    draws = run_on_ranks(_unseeded_draws, 2) + run_on_ranks(_unseeded_draws, 2)
+    for stream in zip(*draws, strict=True):
+        assert len(set(stream)) == len(draws), draws
 
 
 def _note_pid_then_sleep(folder: str) -> None:

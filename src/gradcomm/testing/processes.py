@@ -323,7 +323,7 @@ class _Watch:
 
 def _rank_main(fn: Callable[..., Any], args: Sequence[Any], spec: _Rank, results: mp.Queue) -> None:
     _die_with_parent(spec.parent_pid)
-    _release_fork_server()
+    _as_if_spawned()
     if spec.ignore_sigint:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     if spec.log is not None:
@@ -386,17 +386,28 @@ def _finish_together(spec: _Rank, wait: bool) -> None:
         return
 
 
-def _release_fork_server() -> None:
-    """In a rank forked from the fork server, close the copy of the caller's "alive" pipe that multiprocessing
-    hands every process it forks (for processes of their own): the server exits once every copy is closed, so
-    with one held here the server, and with it this rank (its parent-death signal), would outlive a killed
-    caller."""
+def _as_if_spawned() -> None:
+    """In a rank forked from the fork server (nothing to do in a spawned one): what a spawned rank has.
+
+    * Its own random streams: every forked rank starts from the server's torch and numpy generator states,
+      identical on every rank and in every group, where spawned ranks draw fresh seeds (Python's ``random``
+      is reseeded at fork by Python itself).
+    * No copy of the caller's "alive" pipe, which multiprocessing hands every process it forks (for processes
+      of their own): the server exits once every copy is closed, so with one held here the server, and with
+      it this rank (its parent-death signal), would outlive a killed caller.
+    """
     from multiprocessing import forkserver
 
     server = forkserver._forkserver  # type: ignore[attr-defined]
-    if server._forkserver_alive_fd is not None:
-        os.close(server._forkserver_alive_fd)
-        server._forkserver_alive_fd = None
+    if server._forkserver_alive_fd is None:
+        return
+    os.close(server._forkserver_alive_fd)
+    server._forkserver_alive_fd = None
+    import numpy as np
+    import torch
+
+    torch.seed()
+    np.random.seed()
 
 
 def _die_with_parent(parent_pid: int) -> None:
