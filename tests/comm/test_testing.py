@@ -8,14 +8,18 @@ import ctypes
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from gradcomm.testing import RankError, run_on_ranks
-from gradcomm.testing.processes import Cause, launch
+from gradcomm.testing.processes import Cause, launch, rank_context
+from gradcomm.testing.ranks import START_METHOD_ENV
 
 
 def _sum_of_ranks(offset: float) -> float:
@@ -144,3 +148,86 @@ def _rank_one_uses_the_store_late() -> int:
 def test_rank_zero_stays_until_every_rank_has_finished():
     """Rank 0 hosts the store: had it exited on returning, rank 1's later use of the store would fail."""
     assert run_on_ranks(_rank_one_uses_the_store_late, world_size=2, timeout=30) == [0, 1]
+
+
+def _surroundings() -> tuple[str, str | None, bool, int]:
+    """This rank's working directory, ``GRADCOMM_CHECK_VARIABLE``, whether dynamo is loaded, its parent."""
+    return os.getcwd(), os.environ.get("GRADCOMM_CHECK_VARIABLE"), "torch._dynamo" in sys.modules, os.getppid()
+
+
+def _unseeded_draws() -> tuple[int, float, float, float]:
+    """This rank's torch seed and a draw from each unseeded generator: torch, numpy, Python's random."""
+    import random
+
+    import numpy as np
+
+    return torch.initial_seed(), torch.rand(()).item(), float(np.random.rand()), random.random()
+
+
+@pytest.mark.timeout(120)
+def test_forked_ranks_get_the_callers_directory_and_environment(tmp_path, monkeypatch):
+    """Ranks forked from the server (what this suite uses) start where the caller is, without dynamo loaded
+    (it stays as lazy as in a spawned rank); once the caller's environment differs from the server's, they are
+    spawned and see it."""
+    monkeypatch.setenv(START_METHOD_ENV, "forkserver")
+    monkeypatch.chdir(tmp_path)
+    server = rank_context("forkserver")[1]  # the server, or this process where the environment changed
+    assert run_on_ranks(_surroundings, 2) == [(str(tmp_path), None, False, server)] * 2
+    monkeypatch.setenv("GRADCOMM_CHECK_VARIABLE", "seen")
+    assert run_on_ranks(_surroundings, 2) == [(str(tmp_path), "seen", False, os.getpid())] * 2
+
+
+@pytest.mark.timeout(120)
+def test_forked_ranks_draw_their_own_random_streams(monkeypatch):
+    """As spawned ranks do: a test relying on unseeded ranks differing (replicas to be synchronised, drift to
+    be found) must not pass because every forked rank inherited the server's generators."""
+    monkeypatch.setenv(START_METHOD_ENV, "forkserver")
+    draws = run_on_ranks(_unseeded_draws, 2) + run_on_ranks(_unseeded_draws, 2)
+    for stream in zip(*draws, strict=True):
+        assert len(set(stream)) == len(draws), draws
+
+
+def _note_pid_then_sleep(folder: str) -> None:
+    (Path(folder) / f"rank{dist.get_rank()}").write_text(str(os.getpid()))
+    time.sleep(60)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not gone, not a zombie waiting to be reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.timeout(120)
+def test_forked_ranks_die_with_a_killed_caller(tmp_path):
+    """A caller killed with SIGKILL cleans nothing up: the fork server must exit and take the ranks with it (it
+    stays while any process holds the caller's "alive" pipe, which multiprocessing hands every rank it forks)."""
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from gradcomm.testing import run_on_ranks; "
+        "from tests.comm.test_testing import _note_pid_then_sleep; "
+        "run_on_ranks(_note_pid_then_sleep, 2, args=(sys.argv[2],), timeout=100)"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    caller = subprocess.Popen(
+        [sys.executable, "-c", script, root, str(tmp_path)], env={**os.environ, START_METHOD_ENV: "forkserver"}
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while len(list(tmp_path.glob("rank*"))) < 2:
+            assert caller.poll() is None and time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.05)
+        ranks = [int(path.read_text()) for path in sorted(tmp_path.glob("rank*"))]
+        caller.kill()
+        caller.wait()
+        deadline = time.monotonic() + 30
+        while any(_running(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [pid for pid in ranks if _running(pid)]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        assert left == [], "ranks outlived their killed caller"
+    finally:
+        if caller.poll() is None:
+            caller.kill()

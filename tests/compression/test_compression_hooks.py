@@ -35,7 +35,7 @@ from tests.support.training import linear_target_batch
 METHODS = methods()
 ALLGATHERED = tuple(name for name, cls in METHODS.items() if isinstance(cls.communicator, Allgather))
 DETERMINISTIC = tuple(name for name, cls in METHODS.items() if not issubclass(cls, RandomizedCompressor))
-STEPS = 20
+STEPS = 10  # every method's held-out loss has fallen well below its start by then, on 2 and 3 ranks
 WORLD_SIZES = [2, 3]
 KINDS = (*DDP_KINDS, "legacy")
 BUCKET_CAP_MB = 0.005  # several buckets (and, for torch's DDP, a rebuild after the first step)

@@ -115,7 +115,7 @@ class _Rank:
     master_addr: str
     log: Path | None
     ignore_sigint: bool
-    parent_pid: int
+    parent_pid: int  # the process that starts it: the caller, or the fork server
 
 
 def launch(
@@ -132,6 +132,7 @@ def launch(
     ignore_sigint: bool = False,
     name: str = "gradcomm-rank",
     caller: str = "launch",
+    start_method: StartMethod = "spawn",
 ) -> Outcome:
     """Run ``fn(*args)`` on ``world_size`` spawned ranks joined in one process group; say how each ended.
 
@@ -140,7 +141,9 @@ def launch(
     in network namespace ``namespaces[i]``, ``master_addr`` then being rank 0's address there. ``log_dir``
     (created if missing) and ``ignore_sigint`` are described in the module docstring; ``name`` prefixes the
     processes' names and ``caller`` the messages of ValueError. Call it from the thread that is to outlive
-    the ranks: their PR_SET_PDEATHSIG follows the parent *thread* that started them.
+    the ranks: their PR_SET_PDEATHSIG follows the parent *thread* that started them. ``start_method``
+    ``"forkserver"`` forks the ranks from a server process that has imported torch once (see
+    :func:`rank_context`), where the environment allows it.
 
     Raises:
         ValueError: ``namespaces`` does not hold one namespace per rank.
@@ -151,7 +154,9 @@ def launch(
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         logs = [log_dir / f"rank{rank}.log" for rank in range(world_size)]
-    ctx = mp.get_context("spawn")
+    if start_method == "forkserver" and (namespaces is not None or ignore_sigint):
+        start_method = "spawn"  # a namespace is entered, and SIGINT blocked, before Python starts: spawn's
+    ctx, parent_pid = rank_context(start_method)
     results: mp.Queue = ctx.Queue()
     port = free_port()
     specs = [
@@ -165,7 +170,7 @@ def launch(
             master_addr=master_addr,
             log=logs[rank] if logs else None,
             ignore_sigint=ignore_sigint,
-            parent_pid=os.getpid(),
+            parent_pid=parent_pid,
         )
         for rank in range(world_size)
     ]
@@ -190,6 +195,40 @@ def launch(
         watch.kill_all()
         results.close()
     return watch.outcome(logs)
+
+
+StartMethod = Literal["spawn", "forkserver"]
+_PRELOADED = ["torch", "torch.distributed", "gradcomm.testing.processes"]
+_forkserver_environ: dict[str, str] | None = None
+_PER_TEST_VARIABLES = {"PYTEST_CURRENT_TEST"}  # pytest's name of the running test, which no rank reads
+
+
+def rank_context(start_method: StartMethod) -> tuple[Any, int]:
+    """The multiprocessing context that starts rank processes, and the pid of their parent.
+
+    ``"spawn"``: a fresh interpreter per rank, which imports torch itself (seconds of CPU each). ``"forkserver"``:
+    ranks forked from one server process per caller, started at the first such call with torch,
+    ``torch.distributed`` and gradcomm imported (not ``torch._dynamo``, which stays as lazy as under spawn); each
+    rank still gets the caller's current ``sys.path`` and working directory (multiprocessing sends them per
+    process), and dies with the server, which exits when the caller does. The server keeps the environment
+    it started with, which modules read at import: while the caller's environment differs from it (pytest's
+    ``PYTEST_CURRENT_TEST`` aside), ranks are spawned.
+    """
+    global _forkserver_environ
+    if start_method == "forkserver":
+        from multiprocessing import forkserver
+
+        environ = {key: value for key, value in os.environ.items() if key not in _PER_TEST_VARIABLES}
+        if _forkserver_environ is None:
+            _forkserver_environ = environ
+        if _forkserver_environ == environ:
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(_PRELOADED)
+            forkserver.ensure_running()
+            return ctx, forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+    elif start_method != "spawn":
+        raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
+    return mp.get_context("spawn"), os.getpid()
 
 
 def _start(procs: list[Any], block_sigint: bool) -> None:
@@ -284,6 +323,7 @@ class _Watch:
 
 def _rank_main(fn: Callable[..., Any], args: Sequence[Any], spec: _Rank, results: mp.Queue) -> None:
     _die_with_parent(spec.parent_pid)
+    _as_if_spawned()
     if spec.ignore_sigint:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     if spec.log is not None:
@@ -344,6 +384,30 @@ def _finish_together(spec: _Rank, wait: bool) -> None:
             time.sleep(_POLL_SECONDS)
     except Exception:  # a store whose peers are gone: leaving is all that is left
         return
+
+
+def _as_if_spawned() -> None:
+    """In a rank forked from the fork server (nothing to do in a spawned one): what a spawned rank has.
+
+    * Its own random streams: every forked rank starts from the server's torch and numpy generator states,
+      identical on every rank and in every group, where spawned ranks draw fresh seeds (Python's ``random``
+      is reseeded at fork by Python itself).
+    * No copy of the caller's "alive" pipe, which multiprocessing hands every process it forks (for processes
+      of their own): the server exits once every copy is closed, so with one held here the server, and with
+      it this rank (its parent-death signal), would outlive a killed caller.
+    """
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    if server._forkserver_alive_fd is None:
+        return
+    os.close(server._forkserver_alive_fd)
+    server._forkserver_alive_fd = None
+    import numpy as np
+    import torch
+
+    torch.seed()
+    np.random.seed()
 
 
 def _die_with_parent(parent_pid: int) -> None:

@@ -1,6 +1,7 @@
 """Run a function on N local ranks, for tests of DDP code and communication hooks.
 
-:func:`run_on_ranks` starts ``world_size`` fresh Python processes (``spawn``), joins them into one
+:func:`run_on_ranks` starts ``world_size`` fresh Python processes (``spawn``; ``GRADCOMM_RANKS_START_METHOD=forkserver``
+forks them from a server that imported torch once instead), joins them into one
 ``torch.distributed`` process group over a free localhost port, runs ``fn(*args)`` on each and returns
 the ranks' return values in rank order. It never hangs: the whole run has a hard timeout, every
 collective has the process group's timeout, and a rank that raises, dies or stalls makes the call raise
@@ -26,13 +27,20 @@ return value picklable (tensors included).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from gradcomm.errors import GradcommError
-from gradcomm.testing.processes import Cause, Outcome, free_port, launch
+from gradcomm.testing.processes import Cause, Outcome, StartMethod, free_port, launch
 
 __all__ = ["RankError", "free_port", "run_on_ranks"]
+
+START_METHOD_ENV = "GRADCOMM_RANKS_START_METHOD"
+"""Environment variable choosing how :func:`run_on_ranks` starts ranks: ``spawn`` (unset: the default) or
+``forkserver``, which forks them from one server process that has imported torch and gradcomm, saving each
+rank that import (seconds of CPU; gradcomm's own test suite sets it). See
+``gradcomm.testing.processes.rank_context`` for what a forked rank shares with the server."""
 
 
 class RankError(GradcommError, RuntimeError):
@@ -86,6 +94,7 @@ def run_on_ranks(
         master_addr=master_addr,
         name="gradcomm-rank",
         caller="run_on_ranks",
+        start_method=cast(StartMethod, os.environ.get(START_METHOD_ENV, "spawn")),
     )
     if outcome.cause is not None:
         raise _rank_error(getattr(fn, "__qualname__", repr(fn)), outcome, outcome.cause, timeout)
