@@ -221,11 +221,14 @@ def rank_context(start_method: StartMethod) -> tuple[Any, int]:
         environ = {key: value for key, value in os.environ.items() if key not in _PER_TEST_VARIABLES}
         if _forkserver_environ is None:
             _forkserver_environ = environ
-        if _forkserver_environ == environ:
+        server = getattr(forkserver, "_forkserver", None)  # CPython's internals: spawn where they differ
+        if _forkserver_environ == environ and hasattr(server, "_forkserver_alive_fd"):
             ctx = mp.get_context("forkserver")
             ctx.set_forkserver_preload(_PRELOADED)
             forkserver.ensure_running()
-            return ctx, forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+            pid = getattr(server, "_forkserver_pid", None)
+            if isinstance(pid, int):
+                return ctx, pid
     elif start_method != "spawn":
         raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
     return mp.get_context("spawn"), os.getpid()
@@ -398,8 +401,8 @@ def _as_if_spawned() -> None:
     """
     from multiprocessing import forkserver
 
-    server = forkserver._forkserver  # type: ignore[attr-defined]
-    if server._forkserver_alive_fd is None:
+    server = getattr(forkserver, "_forkserver", None)
+    if getattr(server, "_forkserver_alive_fd", None) is None:
         return
     os.close(server._forkserver_alive_fd)
     server._forkserver_alive_fd = None
