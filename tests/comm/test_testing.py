@@ -177,6 +177,23 @@ def test_forked_ranks_get_the_callers_directory_and_environment(tmp_path, monkey
     assert run_on_ranks(_surroundings, 2) == [(str(tmp_path), "seen", False, os.getpid())] * 2
 
 
+@pytest.mark.timeout(30)
+def test_start_methods_other_than_spawn_and_forkserver_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"start_method must be 'spawn' or 'forkserver', got 'fork'"):
+        rank_context("fork")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(30)
+def test_a_python_without_the_fork_servers_internals_spawns(monkeypatch):
+    """The fork server's pid and "alive" pipe are CPython's private attributes: where they are missing,
+    ranks are spawned by this process rather than failing."""
+    from multiprocessing import forkserver
+
+    monkeypatch.setattr(forkserver, "_forkserver", object())
+    context, parent = rank_context("forkserver")
+    assert (context.get_start_method(), parent) == ("spawn", os.getpid())
+
+
 @pytest.mark.timeout(120)
 def test_forked_ranks_draw_their_own_random_streams(monkeypatch):
     """As spawned ranks do: a test relying on unseeded ranks differing (replicas to be synchronised, drift to

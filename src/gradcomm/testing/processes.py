@@ -212,7 +212,8 @@ def rank_context(start_method: StartMethod) -> tuple[Any, int]:
     rank still gets the caller's current ``sys.path`` and working directory (multiprocessing sends them per
     process), and dies with the server, which exits when the caller does. The server keeps the environment
     it started with, which modules read at import: while the caller's environment differs from it (pytest's
-    ``PYTEST_CURRENT_TEST`` aside), ranks are spawned.
+    ``PYTEST_CURRENT_TEST`` aside), ranks are spawned; so are they where CPython's private attributes of the
+    fork server (its pid, its "alive" pipe) are missing.
     """
     global _forkserver_environ
     if start_method == "forkserver":
