@@ -33,6 +33,7 @@ __all__ = [
     "pack_scaled_signs",
     "pack_segments",
     "packed_lengths",
+    "rank_offsets",
     "scaled_signs_layout",
     "unpack_scaled_signs",
     "unpad_rows",
@@ -198,7 +199,7 @@ def _decode_by_segment(
             rows.add_(offsets)
     if world is not None:
         if world > 1:
-            rows.add_(_rank_offsets(world, 256 * len(segments), rows.device))
+            rows.add_(rank_offsets(world, 256 * len(segments), rows.device))
         rows = rows.view(-1)
     if bits == 8:
         flat = tables.view(-1) if tables.is_contiguous() else tables.reshape(-1)
@@ -209,11 +210,13 @@ def _decode_by_segment(
     return decoded if world is None else decoded.view(world, -1)
 
 
-@functools.lru_cache(maxsize=16)
-def _rank_offsets(world: int, stride: int, device: torch.device) -> torch.Tensor:
-    """``stride * r`` for each rank ``r``, an int32 column (``world`` values, made once per world size and
-    stride: read it, never write it)."""
-    return torch.arange(0, world * stride, stride, dtype=torch.int32, device=device).view(world, 1)
+@functools.lru_cache(maxsize=32)
+def rank_offsets(
+    world: int, stride: int, device: torch.device, dtype: torch.dtype = torch.int32
+) -> torch.Tensor:
+    """``stride * r`` for each rank ``r``, a ``(world, 1)`` column (made once per world size, stride, device
+    and dtype: read it, never write it)."""
+    return torch.arange(0, world * stride, stride, dtype=dtype, device=device).view(world, 1)
 
 
 def _looked_up(

@@ -21,10 +21,35 @@ import torch
 from gradcomm.compression._numerics import index_dtype, zeros_in
 from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedCompressor
 from gradcomm.compression.communicators import ALLGATHER
+from gradcomm.compression.segment_bits import rank_offsets
 from gradcomm.compression.segment_sparse import Budget, segment_topk
 from gradcomm.compression.segments import Segments, as_dtype
 
-__all__ = ["TopK"]
+__all__ = ["TopK", "add_in_rank_order"]
+
+
+def add_in_rank_order(total: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``total`` (flat, zeros) plus every rank's ``values`` at its ``indices`` (``(world, k)`` each, indices
+    distinct within a rank), added rank after rank as one ``index_add_`` per rank adds them, bit for bit, in
+    calls that do not grow with the world size. On the CPU one ``index_add_`` of all ranks' values, which adds
+    them in index order (rank after rank). Elsewhere ``index_add_`` adds in no set order: each rank's values
+    are put in a dense row of their own (``index_put_`` of distinct places), and the rows added to ``total``
+    in rank order; a row's zeros change nothing (``total`` starts at +0 and never holds -0, to which +0 would
+    add +0)."""
+    if values.device.type == "cpu" or values.shape[0] == 1:
+        return total.index_add_(0, indices.view(-1), values.view(-1))
+    return _by_dense_rows(total, indices, values)
+
+
+def _by_dense_rows(total: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """:func:`add_in_rank_order` off the CPU: each rank's values in a dense row, the rows added in rank order."""
+    world, numel = values.shape[0], total.numel()
+    rows = total.new_zeros(world, numel)
+    places = torch.add(indices, rank_offsets(world, numel, indices.device, torch.int64))
+    rows.view(-1).index_put_((places.view(-1),), values.reshape(-1))
+    for rank in range(world):
+        total.add_(rows[rank])
+    return total
 
 
 class SparseSegments(SegmentedCompressor):
@@ -65,9 +90,8 @@ class SparseSegments(SegmentedCompressor):
     def aggregate_segments(
         self, gathered: Payload, ctx: torch.Tensor, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The mean over ranks, summed in rank order (indices are distinct within a rank: deterministic). On
-        the CPU one ``index_add_`` of all ranks' values, which adds them in order (rank after rank); on an
-        accelerator, whose ``index_add_`` adds in no set order, one per rank."""
+        """The mean over ranks, summed in rank order (indices are distinct within a rank: deterministic), by
+        :func:`add_in_rank_order`."""
         values, local = gathered
         world_size = values.shape[0]
         total = zeros_in(out, segments.numel, segments.dtype, values.device)
@@ -75,11 +99,7 @@ class SparseSegments(SegmentedCompressor):
         values = as_dtype(values, segments.dtype)
         if world_size > 1:
             values = values.div(world_size)
-        if values.device.type == "cpu":
-            return total.index_add_(0, indices.view(-1), values.view(-1))
-        for rank in range(world_size):
-            total.index_add_(0, indices[rank], values[rank])
-        return total
+        return add_in_rank_order(total, indices, values)
 
     def residual_segments(
         self, corrected: torch.Tensor, payload: Payload, ctx: torch.Tensor, segments: Segments
