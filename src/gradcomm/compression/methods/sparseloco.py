@@ -49,7 +49,7 @@ from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedCompresso
 from gradcomm.compression.communicators import ALLGATHER
 from gradcomm.compression.memory import ResidualMemory
 from gradcomm.compression.methods._sparseloco_rows import Encoded, Rows
-from gradcomm.compression.methods.topk import add_in_rank_order
+from gradcomm.compression.methods.topk import add_in_rank_order, dense_rows
 from gradcomm.compression.segment_bits import decode_segments, packed_lengths, rank_offsets
 from gradcomm.compression.segment_sparse import Budget
 from gradcomm.compression.segment_stats import constant
@@ -199,6 +199,8 @@ class SparseLoCo(
         self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         indices, values = self._decode(payload, segments)
+        if values.dim() == 2:  # every rank's payload: (world, numel)
+            return dense_rows(indices, as_dtype(values, segments.dtype), segments.numel)
         dense = zeros_in(out, segments.numel, segments.dtype, values.device)
         return dense.index_put_((indices,), as_dtype(values, segments.dtype))
 

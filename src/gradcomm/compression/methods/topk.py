@@ -25,7 +25,7 @@ from gradcomm.compression.segment_bits import rank_offsets
 from gradcomm.compression.segment_sparse import Budget, segment_topk
 from gradcomm.compression.segments import Segments, as_dtype
 
-__all__ = ["TopK", "add_in_rank_order"]
+__all__ = ["TopK", "add_in_rank_order", "dense_rows"]
 
 
 def add_in_rank_order(total: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -43,13 +43,20 @@ def add_in_rank_order(total: torch.Tensor, indices: torch.Tensor, values: torch.
 
 def _by_dense_rows(total: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """:func:`add_in_rank_order` off the CPU: each rank's values in a dense row, the rows added in rank order."""
-    world, numel = values.shape[0], total.numel()
-    rows = total.new_zeros(world, numel)
-    places = torch.add(indices, rank_offsets(world, numel, indices.device, torch.int64))
-    rows.view(-1).index_put_((places.view(-1),), values.reshape(-1))
-    for rank in range(world):
+    rows = dense_rows(indices, values, total.numel())
+    for rank in range(rows.shape[0]):
         total.add_(rows[rank])
     return total
+
+
+def dense_rows(indices: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
+    """Every rank's sparse values made dense: ``(world, numel)`` zeros but ``values[r]`` at ``indices[r]`` in
+    row ``r`` (indices distinct within a rank), by one ``index_put_``."""
+    world = values.shape[0]
+    rows = values.new_zeros(world, numel)
+    places = torch.add(indices, rank_offsets(world, numel, indices.device, torch.int64))
+    rows.view(-1).index_put_((places.view(-1),), values.reshape(-1))
+    return rows
 
 
 class SparseSegments(SegmentedCompressor):
@@ -84,6 +91,8 @@ class SparseSegments(SegmentedCompressor):
         self, payload: Payload, ctx: torch.Tensor, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         values, local = payload
+        if values.dim() == 2:  # every rank's payload: (world, numel)
+            return dense_rows(self._indices(local, segments), as_dtype(values, segments.dtype), segments.numel)
         dense = zeros_in(out, segments.numel, segments.dtype, values.device)
         return dense.index_put_((self._indices(local, segments),), as_dtype(values, segments.dtype))
 
