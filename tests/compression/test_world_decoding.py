@@ -232,6 +232,25 @@ def test_a_method_that_decodes_one_rank_at_a_time_says_so() -> None:
         _IgnoringTheRankAxis().aggregate_segments(gathered, None, segments)
 
 
+class _Dense(_RankByRank):
+    """Decodes to its payload itself (a view of the received part)."""
+
+    world_decoding = True
+
+    def decompress_segments(self, payload, ctx, segments, out=None):
+        return payload[0]
+
+
+def test_a_decoding_that_is_its_payload_is_not_overwritten() -> None:
+    flats = [torch.arange(6.0) / 7 - rank for rank in range(3)]
+    segments = Segments.of([flats[0]], ["w"])
+    gathered = [torch.stack(flats), torch.ones(3, 1)]
+    received = gathered[0].clone()
+    mean = _Dense().aggregate_segments(gathered, None, segments)
+    assert torch.equal(gathered[0], received)
+    assert torch.equal(mean, ordered_mean(flats, 3))
+
+
 # -- through the hook, on 2 and 3 ranks --------------------------------------------------------------------
 @contextlib.contextmanager
 def _aggregating_rank_by_rank() -> Iterator[None]:
