@@ -188,6 +188,21 @@ def test_dense_rows_add_as_an_index_add_per_rank(world: int) -> None:
     assert torch.equal(_bits(topk.add_in_rank_order(torch.zeros(numel), indices, values)), _bits(expected))
 
 
+@pytest.mark.parametrize("world", [2, 3, 4, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_a_vote_by_sum_is_the_bit_plane_count(world: int, dtype: torch.dtype) -> None:
+    """signSGD's vote off the CPU (a sum of decoded signs) is the CPU's count of packed bits, ties included."""
+    from gradcomm.compression._numerics import majority_signs, pack_signs
+    from gradcomm.compression.methods.signsgd import _vote_by_sum
+
+    generator = torch.Generator().manual_seed(world)
+    signs = torch.randn(world, 1003, generator=generator)
+    signs[:, :40] = torch.tensor([1.0, -1.0]).repeat(world // 2 + 1)[:world].view(-1, 1)  # ties where even
+    packed = torch.stack([pack_signs(row) for row in signs])
+    expected = majority_signs(packed, 1003, dtype)
+    assert torch.equal(_bits(_vote_by_sum(packed, 1003, dtype)), _bits(expected))
+
+
 def test_rank_order_mean_is_ordered_means() -> None:
     rows = torch.tensor([[1e38, -0.0, 0.1, float("inf")], [1e38, -0.0, 0.2, 1.0], [-1e38, -0.0, 0.3, 2.0]])
     for world in (2, 3):
