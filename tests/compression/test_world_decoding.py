@@ -9,6 +9,7 @@ values in turn, and top-k's one ``index_add_`` per rank (its accelerator path).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -172,9 +173,10 @@ def test_decode_segments_of_every_rank_is_each_ranks(lengths: tuple[int, ...], b
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_dense_rows_add_as_an_index_add_per_rank(world: int) -> None:
-    """Off the CPU each rank's values go into a dense row and the rows are added: the bits of one
-    ``index_add_`` per rank, signed zeros, infinities and NaNs included."""
+def test_sparse_values_add_in_rank_order(world: int) -> None:
+    """All ranks' values by one ``index_add_`` on the CPU, and one per rank elsewhere (run here on the CPU),
+    are one ``index_add_`` per rank's, signed zeros, infinities and NaNs included; so are their dense rows
+    added to zeros in rank order."""
     generator = torch.Generator().manual_seed(world)
     numel, k = 50, 20
     specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45, -3.0])
@@ -183,9 +185,10 @@ def test_dense_rows_add_as_an_index_add_per_rank(world: int) -> None:
     expected = torch.zeros(numel)
     for rank in range(world):
         expected.index_add_(0, indices[rank], values[rank])
-    got = topk._by_dense_rows(torch.zeros(numel), indices.to(torch.int32), values)
-    assert torch.equal(_bits(got), _bits(expected))
     assert torch.equal(_bits(topk.add_in_rank_order(torch.zeros(numel), indices, values)), _bits(expected))
+    assert torch.equal(_bits(topk._per_rank(torch.zeros(numel), indices.to(torch.int32), values)), _bits(expected))
+    rows = topk.dense_rows(indices.to(torch.int32), values, numel)
+    assert torch.equal(_bits(functools.reduce(torch.add, rows.unbind(0), torch.zeros(numel))), _bits(expected))
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 7])

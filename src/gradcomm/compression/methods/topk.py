@@ -30,22 +30,19 @@ __all__ = ["TopK", "add_in_rank_order", "dense_rows"]
 
 def add_in_rank_order(total: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``total`` (flat, zeros) plus every rank's ``values`` at its ``indices`` (``(world, k)`` each, indices
-    distinct within a rank), added rank after rank as one ``index_add_`` per rank adds them, bit for bit, in
-    calls that do not grow with the world size. On the CPU one ``index_add_`` of all ranks' values, which adds
-    them in index order (rank after rank). Elsewhere ``index_add_`` adds in no set order: each rank's values
-    are put in a dense row of their own (``index_put_`` of distinct places), and the rows added to ``total``
-    in rank order; a row's zeros change nothing (``total`` starts at +0 and never holds -0, to which +0 would
-    add +0)."""
-    if values.device.type == "cpu" or values.shape[0] == 1:
+    distinct within a rank), added rank after rank. On the CPU one ``index_add_`` of all ranks' values, which
+    adds them in index order (rank after rank). Elsewhere ``index_add_`` adds in no set order: one per rank
+    (:func:`_per_rank`), ``world`` small calls where a dense row per rank would cost a pass over the bucket
+    each, and its memory."""
+    if values.device.type == "cpu":
         return total.index_add_(0, indices.view(-1), values.view(-1))
-    return _by_dense_rows(total, indices, values)
+    return _per_rank(total, indices, values)
 
 
-def _by_dense_rows(total: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """:func:`add_in_rank_order` off the CPU: each rank's values in a dense row, the rows added in rank order."""
-    rows = dense_rows(indices, values, total.numel())
-    for rank in range(rows.shape[0]):
-        total.add_(rows[rank])
+def _per_rank(total: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """:func:`add_in_rank_order` off the CPU: one ``index_add_`` per rank, in rank order."""
+    for rank in range(values.shape[0]):
+        total.index_add_(0, indices[rank], values[rank])
     return total
 
 
