@@ -191,6 +191,27 @@ def test_sparse_values_add_in_rank_order(world: int) -> None:
     assert torch.equal(_bits(functools.reduce(torch.add, rows.unbind(0), torch.zeros(numel))), _bits(expected))
 
 
+@pytest.mark.parametrize("chunk", [4, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
+def test_sparselocos_grouped_top_codes_decode_as_the_bit_stream(chunk: int) -> None:
+    """SparseLoCo's top codes, each group's bytes read as one integer, are ``decode_segments``' unpacking of
+    the stream (every top width from 1 to 8 bits), of one rank's payload and of every rank's."""
+    from gradcomm.compression.methods.sparseloco import _grouped_tops, _top_values, _word_split
+
+    compressor = SparseLoCo(ratio=0.25, chunk=chunk, ef_decay=0)
+    _, top_bits = _word_split(chunk)
+    lengths = (8 * chunk, 16 * chunk)  # a multiple of 8 values kept of each: whole groups at any width
+    payloads = [compressor.compress_segments(*_flat(lengths, rank, torch.float32))[0] for rank in range(3)]
+    segments = _flat(lengths, 0, torch.float32)[1]
+    rows = compressor._rows(segments)
+    assert rows.grouped
+    tops = _top_values(top_bits, torch.device("cpu"))
+    for payload in payloads:
+        stream = decode_segments(payload[-2], rows.kept_segments, top_bits, tops)
+        assert torch.equal(_grouped_tops(payload[-2], top_bits, rows.groups), stream), top_bits
+    every = _grouped_tops(torch.stack([payload[-2] for payload in payloads]), top_bits, rows.groups)
+    assert torch.equal(every, torch.stack([decode_segments(p[-2], rows.kept_segments, top_bits, tops) for p in payloads]))
+
+
 @pytest.mark.parametrize("world", [2, 3, 4, 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
 def test_a_vote_by_sum_is_the_bit_plane_count(world: int, dtype: torch.dtype) -> None:

@@ -75,6 +75,29 @@ def _top_values(bits: int, device: torch.device) -> torch.Tensor:
     return torch.arange(2**bits, dtype=torch.int64, device=device)
 
 
+def _grouped_tops(packed: torch.Tensor, bits: int, groups: int) -> torch.Tensor:
+    """The ``bits``-bit codes (int64) of packed bytes (1-D, or ``(world, bytes)``: then ``(world, codes)``)
+    where every tensor's codes fill whole groups of ``groups`` codes (``pack_bits``' little-endian stream, a
+    group's bytes one integer): each group's bytes as one int64, its codes shifted out of it. A few calls,
+    where unpacking the stream by its merge steps took some forty."""
+    width = bits * groups // 8
+    as_words = torch.empty(packed.shape, dtype=torch.int64, device=packed.device).copy_(packed)
+    weights, shifts, mask = _group_constants(bits, groups, packed.device)
+    words = torch.mul(as_words.view(-1, width), weights).sum(dim=1, keepdim=True)
+    codes = words.bitwise_right_shift_(shifts) if groups == 1 else words.bitwise_right_shift(shifts)
+    return codes.bitwise_and_(mask).view(*packed.shape[:-1], -1)
+
+
+@functools.lru_cache(maxsize=16)
+def _group_constants(bits: int, groups: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A group's byte weights (``256 ** i``), its codes' shifts (``bits * j``) and the codes' mask. Shared:
+    read them."""
+    width = bits * groups // 8
+    weights = torch.tensor([1 << (8 * i) for i in range(width)], dtype=torch.int64, device=device)
+    shifts = torch.tensor([bits * j for j in range(groups)], dtype=torch.int64, device=device)
+    return weights, shifts, torch.tensor((1 << bits) - 1, dtype=torch.int64, device=device)
+
+
 class SparseLoCo(
     SegmentedCompressor, name="sparseloco", summary="SparseLoCo: chunked top-k, 2-bit values, decayed EF"
 ):
@@ -182,13 +205,16 @@ class SparseLoCo(
         if low_bytes:
             words[:, :low_bytes] = low[0].view(total, low_bytes)
         words = words.view(torch.int64).view(-1)
-        tops = _top_values(top_bits, packed.device)
-        top = decode_segments(packed, self._kept_segments(segments), top_bits, tops)
+        rows = self._rows(segments)
+        if rows.grouped:
+            top = _grouped_tops(packed, top_bits, rows.groups)
+        else:
+            top = decode_segments(packed, rows.kept_segments, top_bits, _top_values(top_bits, packed.device))
         words.bitwise_or_((top if world is None else top.view(-1)).bitwise_left_shift(8 * low_bytes))
         codes = words.bitwise_and(2**_CODE_BITS - 1)
         indices = words.bitwise_right_shift_(_CODE_BITS)
         table = torch.cat([scales.view(-1, 2), scales.view(-1, 2).neg()], dim=1)
-        ids4 = self._rows(segments).ids4
+        ids4 = rows.ids4
         if world is None:
             return indices.add_(budget.starts), table.take(codes.add_(ids4))
         indices = indices.view(world, -1).add_(budget.starts)
