@@ -13,7 +13,7 @@ the same tree move by 30% or more between runs on a busy host, but blind to memo
 
     python benchmarks/bench_codecs.py [--workloads cnn transformer] [--methods signsgd terngrad ...] [--reps 30]
     python benchmarks/bench_codecs.py --instructions [--workloads ...] [--methods ...]
-    python benchmarks/bench_codecs.py --count [--workloads ...] [--methods ...] [--tensors 28 800]
+    python benchmarks/bench_codecs.py --count [--workloads ...] [--methods ...] [--tensors 28 800] [--world-size 1 2 3]
 
 ``--against REV`` times instead the whole hook (CPU seconds of the process: every thread) on each workload's
 gradients as one bucket, this tree's against git revision ``REV``'s (its ``src/gradcomm`` copied and imported
@@ -22,9 +22,10 @@ as ``gradcomm_before``), alternating in one process, and prints medians and quar
     python benchmarks/bench_codecs.py --against 326c082 --workloads transformer --reps 15
 
 ``--count`` counts instead the aten operators of one call of each method's whole hook (encoding, collectives
-and decoding, every thread: :func:`gradcomm.testing.op_count.hook_calls`) on a one-rank gloo group, with
-each workload's gradients as one bucket and with :func:`~gradcomm.testing.op_count.many_tensor_bucket` s of
-``--tensors`` tensors, beside a plain allreduce's; the table gives each method's count beyond allreduce's.
+and decoding, every thread: :func:`gradcomm.testing.op_count.hook_calls`) on a one-rank gloo group (or, with
+``--world-size``, on rank 0 of groups of that many local ranks, a table each), with each workload's gradients
+as one bucket and with :func:`~gradcomm.testing.op_count.many_tensor_bucket` s of ``--tensors`` tensors,
+beside a plain allreduce's; the table gives each method's count beyond allreduce's.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from gradcomm.compression.registry import methods  # noqa: E402
 from gradcomm.hooks.compression_hook import CompressionState  # noqa: E402
 from gradcomm.hooks.registry import make_comm_hook  # noqa: E402
 from gradcomm.testing import run_on_ranks  # noqa: E402
-from gradcomm.testing.op_count import hook_calls, many_tensor_bucket  # noqa: E402
+from gradcomm.testing.op_count import calls_at_world_size, calls_per_bucket, many_tensor_bucket  # noqa: E402
 
 
 def _compressed_gradients(workload: str, compressor: Compressor) -> list[torch.Tensor]:
@@ -119,22 +120,9 @@ BASELINE = "allreduce"
 
 
 def op_counts(buckets: list[str], hooks: list[str], device: str = "cpu") -> dict[str, dict[str, int]]:
-    """Per bucket (a workload's name, or ``"N tensors"``), per hook, the aten operators of one hook call; run
-    on a one-rank group, the bucket on ``device``."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    counts: dict[str, dict[str, int]] = {}
-    for name in buckets:
-        if name.endswith("tensors"):
-            bucket = many_tensor_bucket(int(name.split()[0]), device=device)
-        else:
-            bucket = _one_bucket(name, device)
-        counts[name] = {}
-        for hook in hooks:
-            fn, state = make_comm_hook(hook, process_group=dist.group.WORLD)
-            counts[name][hook] = hook_calls(fn, state, bucket)
-    return counts
+    """Per bucket (a workload's name, or ``"N tensors"``), per hook, the aten operators of one hook call on
+    this rank (:func:`~gradcomm.testing.op_count.calls_per_bucket`), the bucket on ``device``."""
+    return calls_per_bucket(buckets, hooks, device)
 
 
 def count_table(counts: dict[str, dict[str, int]]) -> str:
@@ -216,6 +204,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tensors", nargs="*", type=int, default=[28, 800], help="with --count or --against: bucket sizes"
     )
+    parser.add_argument(
+        "--world-size", nargs="+", type=int, default=[1], help="with --count: ranks of the group (a table each)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if os.environ.get(_UNDER_VALGRIND):
@@ -240,15 +231,15 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.count:
         buckets = [*args.workloads, *(f"{n} tensors" for n in args.tensors)]
-        [counts] = run_on_ranks(
-            op_counts,
-            world_size=1,
-            args=(buckets, [BASELINE, *args.methods], args.device),
-            backend=args.backend,
-            timeout=3600.0,
-        )
-        print("\n### aten operators per hook call, one bucket (allreduce: its own; methods: beyond it)\n")
-        print(count_table(counts))
+        for world_size in args.world_size:
+            counts = calls_at_world_size(
+                buckets, [BASELINE, *args.methods], world_size, device=args.device, backend=args.backend, timeout=3600.0
+            )
+            print(
+                f"\n### aten operators per hook call on rank 0 of {world_size}, one bucket (allreduce: its own; "
+                "methods: beyond it)\n"
+            )
+            print(count_table(counts))
         return
     if args.instructions:
         for workload in args.workloads:

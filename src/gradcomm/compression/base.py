@@ -53,6 +53,7 @@ __all__ = [
     "SegmentedCompressor",
     "SegmentedRowwiseCompressor",
     "TensorSpec",
+    "rank_order_mean",
 ]
 
 Payload = list[torch.Tensor]
@@ -252,6 +253,26 @@ class _OneTensor:
     segments: Segments
 
 
+def rank_order_mean(rows: torch.Tensor, out: torch.Tensor | None = None, overwrite: bool = False) -> torch.Tensor:
+    """The mean of the rows of ``rows`` (``(world, ...)``, ``world >= 2``), the bits of :func:`ordered_mean`:
+    rows divided by ``world``, added in rank order (``torch.sum`` over ranks promises no order). ``out``: where
+    it may be written (a row's shape and dtype, not ``rows``' memory); ``overwrite``: ``rows`` is divided in
+    place."""
+    world = rows.shape[0]
+    divided = rows.div_(world) if overwrite else torch.div(rows, world)
+    usable = out is not None and out.shape == divided.shape[1:] and out.dtype == divided.dtype
+    total = torch.add(divided[0], divided[1], out=out if usable else None)
+    for rank in range(2, world):
+        total.add_(divided[rank])
+    return total
+
+
+def _shares_storage(tensor: torch.Tensor, parts: Payload) -> bool:
+    """Whether ``tensor`` lies in the memory of one of ``parts`` (a decoding that is its payload's view)."""
+    pointer = tensor.untyped_storage().data_ptr()
+    return any(part.untyped_storage().data_ptr() == pointer for part in parts)
+
+
 def _flat_out(out: torch.Tensor | None, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
     usable = out is not None and out.is_contiguous() and out.numel() == numel and out.dtype == dtype
     return out.view(-1) if usable else None
@@ -279,28 +300,50 @@ class SegmentedCompressor(Compressor):
         self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The flat tensor of every segment decoded (or, for allreduce, of a sum of payloads); ``out``: a flat
-        tensor of ``segments.numel`` elements it may be written into."""
+        tensor of ``segments.numel`` elements it may be written into. Parts with a leading rank axis: see
+        :attr:`world_decoding`."""
 
     @abstractmethod
     def payload_layout(self, lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
         """``(elements, dtype)`` of each payload tensor of a bucket of segments of ``lengths`` elements."""
 
+    world_decoding: ClassVar[bool] = True
+    """Whether :meth:`decompress_segments` decodes every rank's payload at once: of parts with a leading rank
+    axis (``(world, elements)``, contiguous), a ``(world, numel)`` tensor whose row ``r`` is rank ``r``'s
+    decoding, bit for bit (:func:`~gradcomm.compression.segment_bits.decode_segments` does, with a table row
+    per rank and segment), so that :meth:`aggregate_segments` costs calls that do not grow with the world
+    size. ``False``: payloads are decoded rank by rank."""
+
     def aggregate_segments(
         self, gathered: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The mean over ranks (leading axis of ``gathered``), summed in rank order (as :meth:`aggregate`). On
-        one rank, this rank's own decoding where its encoding kept one (:class:`OwnDecoding`)."""
+        """The mean over ranks (leading axis of ``gathered``) of :meth:`decompress_world`, in rank order. On one
+        rank, this rank's own decoding where its encoding kept one (:class:`OwnDecoding`)."""
         world_size = gathered[0].shape[0]
         if world_size == 1:
             if isinstance(ctx, OwnDecoding) and ctx.decoded is not None:
                 return ctx.decoded
             own = [part.view(-1) if part.is_contiguous() else part[0] for part in gathered]
             return self.decompress_segments(own, ctx, segments, out)
-        return ordered_mean(
-            (self.decompress_segments([p[rank] for p in gathered], ctx, segments) for rank in range(world_size)),
-            world_size,
-            out,
-        )
+        decoded = self.decompress_world(gathered, ctx, segments)
+        return rank_order_mean(decoded, out, overwrite=not _shares_storage(decoded, gathered))
+
+    def decompress_world(self, gathered: Payload, ctx: Any, segments: Segments) -> torch.Tensor:
+        """Every rank's payload decoded (``gathered``: parts with a leading rank axis), ``(world, numel)``: by
+        one :meth:`decompress_segments` where :attr:`world_decoding`, else rank by rank. The caller may
+        overwrite it unless it is a view of a payload part (never a shared tensor, such as a cached table)."""
+        world_size = gathered[0].shape[0]
+        if not self.world_decoding:
+            return torch.stack([self.decompress_segments([p[r] for p in gathered], ctx, segments) for r in range(world_size)])
+        parts = [part if part.is_contiguous() else part.contiguous() for part in gathered]
+        decoded = self.decompress_segments(parts, ctx, segments)
+        if decoded.shape != (world_size, segments.numel):
+            raise RuntimeError(
+                f"{type(self).__name__}.decompress_segments decoded {world_size} ranks' payloads to a tensor of "
+                f"shape {tuple(decoded.shape)}, not ({world_size}, {segments.numel}); decode a leading rank "
+                "axis, or set world_decoding = False on the class to decode rank by rank"
+            )
+        return decoded
 
     def residual_segments(self, corrected: torch.Tensor, payload: Payload, ctx: Any, segments: Segments) -> torch.Tensor:
         """``corrected - decompress_segments(...)``, which may overwrite ``corrected`` (see :meth:`residual`)."""

@@ -20,7 +20,7 @@ from gradcomm.compression._numerics import (
 )
 from gradcomm.compression._numerics.bits import _ROW_DTYPES
 from gradcomm.compression.segment_stats import Matrix, constant
-from gradcomm.compression.segments import Segments, _ids, _placement, as_dtype
+from gradcomm.compression.segments import Padded, Segments, _ids, _placement, as_dtype
 
 __all__ = [
     "byte_codes",
@@ -33,8 +33,10 @@ __all__ = [
     "pack_scaled_signs",
     "pack_segments",
     "packed_lengths",
+    "rank_offsets",
     "scaled_signs_layout",
     "unpack_scaled_signs",
+    "unpad_rows",
 ]
 
 
@@ -117,9 +119,17 @@ def decode_segments(
     decoding needs no padding removed). ``by_byte`` (``bits`` 1, 2 or 4): each row of ``tables`` holds the
     values of every byte's codes already (``(segments, 256 * 8 // bits)``: a scale times
     :func:`byte_codes`' values, one multiplication where the values of the codes and their expansion to
-    bytes were two calls more)."""
+    bytes were two calls more).
+
+    Every rank's packing at once: ``packed`` of shape ``(world, bytes)`` (an all-gather's rows), with one
+    table for all or ``world * len(segments)`` rows of them, rank by rank (each rank's scales): the result is
+    ``(world, numel)``, row ``r`` the decoding of rank ``r``'s bytes alone, bit for bit, in as many calls as
+    one rank's (``out`` is not used)."""
     if by_byte and (8 % bits or bits == 8):
         raise ValueError(f"decode_segments: by_byte tables need 1, 2 or 4 bits, got {bits}")
+    world = packed.shape[0] if packed.dim() == 2 else None
+    if world is not None:
+        out = None
     per_segment = tables.dim() == 2 and tables.shape[0] > 1
     if bits == 8:  # a byte is a code, and segments are not padded
         if per_segment:
@@ -127,25 +137,42 @@ def decode_segments(
         return lookup_bytes(packed, byte_table(tables, 8), segments.numel, out)
     padded = segments.padded(8)
     if not padded.aligned:  # each segment's bytes at a multiple of 8 codes
-        bytes_ = packed.new_zeros(padded.numel * bits // 8).index_copy_(0, _kept_bytes(segments, bits), packed)
+        shape = (padded.numel * bits // 8,) if world is None else (world, padded.numel * bits // 8)
+        bytes_ = packed.new_zeros(shape).index_copy_(packed.dim() - 1, _kept_bytes(segments, bits), packed)
     else:
         bytes_ = packed
     if 8 % bits:  # codes straddling bytes: unpacked, then looked up (one table)
         codes = unpack_bits(bytes_, bits, padded.numel).to(torch.int64)
-        decoded = tables.reshape(-1).index_select(0, codes)
+        decoded = tables.reshape(-1).index_select(0, codes.view(-1)).view(codes.shape)
     elif not per_segment:
         table = tables.view(-1, 8 // bits) if by_byte else byte_table(tables, bits)
         decoded = lookup_bytes(bytes_, table, padded.numel, out if padded.aligned else None)
     else:
         decoded = _decode_by_segment(bytes_, bits, tables, segments, out if padded.aligned else None, by_byte)
+    if world is not None:
+        return unpad_rows(padded, decoded)
     return decoded if padded.aligned and decoded.numel() == segments.numel else padded.unpad(decoded)
+
+
+def unpad_rows(padded: Padded, rows: torch.Tensor) -> torch.Tensor:
+    """Of ``(world, padded numel)`` decodings of ``padded``'s layout, each row's elements without the padding:
+    ``(world, numel)``, contiguous."""
+    numel = padded.segments.numel
+    if not padded.aligned:
+        return rows.index_select(1, padded.index)
+    return rows if rows.shape[1] == numel else rows[:, :numel].contiguous()
 
 
 def lookup_bytes(
     packed: torch.Tensor, table: torch.Tensor, length: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The first ``length`` values of the codes in 1-D ``packed`` bytes, looked up in one :func:`byte_table`."""
+    """The first ``length`` values of the codes in 1-D ``packed`` bytes, looked up in one :func:`byte_table`;
+    of every row of ``(world, bytes)`` ``packed``: ``(world, length)`` (``out`` not used)."""
     rows = torch.empty(packed.shape, dtype=torch.int32, device=packed.device).copy_(packed)
+    if packed.dim() == 2:
+        world = packed.shape[0]
+        decoded = _looked_up(table, rows.view(-1)).view(world, -1)
+        return decoded if decoded.shape[1] == length else decoded[:, :length].contiguous()
     decoded = _looked_up(table, rows, out if packed.numel() * table.shape[1] == length else None)
     return decoded if decoded.numel() == length else decoded[:length]
 
@@ -160,15 +187,36 @@ def _decode_by_segment(
 ) -> torch.Tensor:
     """``decode_bits`` with one table per segment: a byte ``b`` of segment ``s`` reads row ``256 s + b``
     (:func:`_byte_offsets`: ``256 s`` in int32, one per byte, or a column of one per chunk of bytes); at 8
-    bits a row is one value, looked up in the flat tables."""
-    offsets = _byte_offsets(segments, bits)
+    bits a row is one value, looked up in the flat tables. ``(world, bytes)`` ``packed``: rank ``r``'s
+    bytes read the tables of segment ``s`` of rank ``r``, row ``256 (r len(segments) + s) + b``."""
     rows = torch.empty(packed.shape, dtype=torch.int32, device=packed.device).copy_(packed)
-    (rows.view(offsets.shape[0], -1) if offsets.dim() == 2 else rows).add_(offsets)
+    world = packed.shape[0] if packed.dim() == 2 else None
+    if world is None or len(segments) > 1:  # (one segment of every rank: no offset within a rank)
+        offsets = _byte_offsets(segments, bits)
+        if offsets.dim() == 2:
+            rows.view(*packed.shape[:-1], offsets.shape[0], -1).add_(offsets)
+        else:
+            rows.add_(offsets)
+    if world is not None:
+        if world > 1:
+            rows.add_(rank_offsets(world, 256 * len(segments), rows.device))
+        rows = rows.view(-1)
     if bits == 8:
         flat = tables.view(-1) if tables.is_contiguous() else tables.reshape(-1)
         usable = out is not None and out.is_contiguous() and out.dtype == flat.dtype and out.numel() == rows.numel()
-        return torch.index_select(flat, 0, rows, out=_flat(out)) if usable else flat.index_select(0, rows)
-    return _looked_up(tables if by_byte else _byte_rows(tables, bits), rows, out, 8 // bits)
+        decoded = torch.index_select(flat, 0, rows, out=_flat(out)) if usable else flat.index_select(0, rows)
+    else:
+        decoded = _looked_up(tables if by_byte else _byte_rows(tables, bits), rows, out, 8 // bits)
+    return decoded if world is None else decoded.view(world, -1)
+
+
+@functools.lru_cache(maxsize=32)
+def rank_offsets(
+    world: int, stride: int, device: torch.device, dtype: torch.dtype = torch.int32
+) -> torch.Tensor:
+    """``stride * r`` for each rank ``r``, a ``(world, 1)`` column (made once per world size, stride, device
+    and dtype: read it, never write it)."""
+    return torch.arange(0, world * stride, stride, dtype=dtype, device=device).view(world, 1)
 
 
 def _looked_up(

@@ -15,11 +15,15 @@ bucket of any number of tensors, half of them large enough to be compressed at t
     bucket = many_tensor_bucket(800)
     hook, state = make_comm_hook("topk", process_group=group)
     hook_calls(hook, state, bucket) - hook_calls(allreduce_hook, group, bucket)
+
+:func:`calls_at_world_size` runs such counts on ``world_size`` local gloo ranks (one process each: a rank
+counts its own process) and returns rank 0's: a method that decodes the ranks' payloads one by one costs
+more calls the more ranks there are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +31,15 @@ from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
 
 from gradcomm.hooks.grad_bucket import GradBucket
 
-__all__ = ["count_aten_calls", "hook_calls", "many_tensor_bucket", "workload_bucket"]
+__all__ = [
+    "bucket_named",
+    "calls_at_world_size",
+    "calls_per_bucket",
+    "count_aten_calls",
+    "hook_calls",
+    "many_tensor_bucket",
+    "workload_bucket",
+]
 
 
 def count_aten_calls(fn: Callable[[], Any]) -> int:
@@ -95,3 +107,49 @@ def workload_bucket(workload_name: str, device: torch.device | str = "cpu") -> G
     grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
     buffer = torch.cat([g.reshape(-1) for g in grads]).detach()
     return GradBucket(0, buffer, offsets, lengths, [p.shape for p in parameters], parameters, is_last=True)
+
+
+def bucket_named(name: str, device: torch.device | str = "cpu") -> GradBucket:
+    """``"N tensors"``: :func:`many_tensor_bucket` of ``N``; else the bench workload's :func:`workload_bucket`."""
+    if name.endswith(" tensors"):
+        return many_tensor_bucket(int(name.split()[0]), device=device)
+    return workload_bucket(name, device)
+
+
+def calls_per_bucket(
+    buckets: Sequence[str], hooks: Sequence[str], device: torch.device | str = "cpu"
+) -> dict[str, dict[str, int]]:
+    """Per bucket (:func:`bucket_named`), per registry hook (``make_comm_hook`` on the default group), the
+    operators of one hook call on this rank. Every rank of the group must call it alike (the hooks'
+    collectives); one torch thread, so that counts do not depend on the machine."""
+    import torch.distributed as dist
+
+    from gradcomm.hooks.registry import make_comm_hook
+
+    torch.set_num_threads(1)
+    counts: dict[str, dict[str, int]] = {}
+    for name in buckets:
+        bucket = bucket_named(name, device)
+        counts[name] = {}
+        for hook in hooks:
+            fn, state = make_comm_hook(hook, process_group=dist.group.WORLD)
+            counts[name][hook] = hook_calls(fn, state, bucket)
+    return counts
+
+
+def calls_at_world_size(
+    buckets: Sequence[str],
+    hooks: Sequence[str],
+    world_size: int,
+    *,
+    device: str = "cpu",
+    backend: str = "gloo",
+    timeout: float = 600.0,
+) -> dict[str, dict[str, int]]:
+    """:func:`calls_per_bucket` on ``world_size`` local ranks joined in one group, as rank 0 counts them."""
+    from gradcomm.testing.ranks import run_on_ranks
+
+    results = run_on_ranks(
+        calls_per_bucket, world_size, args=(list(buckets), list(hooks), device), backend=backend, timeout=timeout
+    )
+    return results[0]

@@ -38,6 +38,7 @@ from gradcomm.compression.segment_bits import (
     lookup_bytes,
     pack_segments,
     packed_lengths,
+    unpad_rows,
 )
 from gradcomm.compression.segment_noise import add_noise_, segment_noise
 from gradcomm.compression.segment_stats import constant, smallest_positive
@@ -108,15 +109,18 @@ class QSGD(RandomizedCompressor, SegmentedCompressor, name="qsgd", summary="QSGD
         packed, norms = payload
         padded = segments.padded(self.bucket_size)
         bits = self._bits
+        world = packed.dim() == 2  # every rank's payload: (world, ...) parts, decoded to (world, numel)
         if 8 % bits == 0 and padded.as_segments.padded(8).aligned:  # one lookup per byte in a table made once
             table = _byte_fractions(self.levels, bits, norms.dtype, norms.device)
-            usable = padded.aligned and segments.dtype == norms.dtype
+            usable = padded.aligned and segments.dtype == norms.dtype and not world
             values = lookup_bytes(packed, table, padded.numel, out if usable else None)
         else:
             fractions = _fractions(self.levels, bits, norms.dtype, norms.device)
             values = decode_segments(packed, padded.as_segments, bits, fractions)
         values.view(-1, self.bucket_size).mul_(norms.view(-1, 1))
-        return as_dtype(values if padded.aligned else padded.unpad(values), segments.dtype)
+        if not padded.aligned:
+            values = unpad_rows(padded, values) if world else padded.unpad(values)
+        return as_dtype(values, segments.dtype)
 
 
 @functools.lru_cache(maxsize=64)

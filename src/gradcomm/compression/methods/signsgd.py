@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from gradcomm.compression._numerics import majority_signs, pack_signs, unpack_signs
+from gradcomm.compression._numerics import majority_signs, pack_signs, unpack_signs, work_dtype
 from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedCompressor
 from gradcomm.compression.communicators import ALLGATHER
 from gradcomm.compression.segments import Segments
@@ -51,4 +51,15 @@ class SignSGD(SegmentedCompressor, name="signsgd", summary="signSGD with majorit
     ) -> torch.Tensor:
         if gathered[0].shape[0] == 1:  # one rank: the vote is its signs
             return self.decompress_segments([gathered[0][0]], ctx, segments)
+        if gathered[0].device.type != "cpu":
+            return _vote_by_sum(gathered[0], segments.numel, segments.dtype)
         return majority_signs(gathered[0], segments.numel, segments.dtype)
+
+
+def _vote_by_sum(packed: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`~gradcomm.compression._numerics.majority_signs` off the CPU in calls that do not grow with the
+    ranks: every rank's signs decoded at once and summed over ranks (integers, exact in any order up to 2**24
+    ranks), then their sign. On the CPU the bit-plane count stays: about ``2 rows log2(rows)`` byte-wise passes
+    over packed bytes, several times faster there than the float sum of ``rows`` decoded rows."""
+    votes = torch.sum(unpack_signs(packed, length, work_dtype(dtype)), dim=0)
+    return votes.sign_().to(dtype)

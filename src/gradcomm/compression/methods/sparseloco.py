@@ -49,7 +49,8 @@ from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedCompresso
 from gradcomm.compression.communicators import ALLGATHER
 from gradcomm.compression.memory import ResidualMemory
 from gradcomm.compression.methods._sparseloco_rows import Encoded, Rows
-from gradcomm.compression.segment_bits import decode_segments, packed_lengths
+from gradcomm.compression.methods.topk import add_in_rank_order, dense_rows
+from gradcomm.compression.segment_bits import decode_segments, packed_lengths, rank_offsets
 from gradcomm.compression.segment_sparse import Budget
 from gradcomm.compression.segment_stats import constant
 from gradcomm.compression.segments import Segments, as_dtype
@@ -72,6 +73,29 @@ def _word_split(chunk: int) -> tuple[int, int]:
 def _top_values(bits: int, device: torch.device) -> torch.Tensor:
     """Each top code as itself (int64), the table :func:`decode_segments` looks codes up in. Shared: read it."""
     return torch.arange(2**bits, dtype=torch.int64, device=device)
+
+
+def _grouped_tops(packed: torch.Tensor, bits: int, groups: int) -> torch.Tensor:
+    """The ``bits``-bit codes (int64) of packed bytes (1-D, or ``(world, bytes)``: then ``(world, codes)``)
+    where every tensor's codes fill whole groups of ``groups`` codes (``pack_bits``' little-endian stream, a
+    group's bytes one integer): each group's bytes as one int64, its codes shifted out of it. A few calls,
+    where unpacking the stream by its merge steps took some forty."""
+    width = bits * groups // 8
+    as_words = torch.empty(packed.shape, dtype=torch.int64, device=packed.device).copy_(packed)
+    weights, shifts, mask = _group_constants(bits, groups, packed.device)
+    words = torch.mul(as_words.view(-1, width), weights).sum(dim=1, keepdim=True)
+    codes = words.bitwise_right_shift_(shifts) if groups == 1 else words.bitwise_right_shift(shifts)
+    return codes.bitwise_and_(mask).view(*packed.shape[:-1], -1)
+
+
+@functools.lru_cache(maxsize=16)
+def _group_constants(bits: int, groups: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A group's byte weights (``256 ** i``), its codes' shifts (``bits * j``) and the codes' mask. Shared:
+    read them."""
+    width = bits * groups // 8
+    weights = torch.tensor([1 << (8 * i) for i in range(width)], dtype=torch.int64, device=device)
+    shifts = torch.tensor([bits * j for j in range(groups)], dtype=torch.int64, device=device)
+    return weights, shifts, torch.tensor((1 << bits) - 1, dtype=torch.int64, device=device)
 
 
 class SparseLoCo(
@@ -170,43 +194,57 @@ class SparseLoCo(
         return encoded.payload, encoded
 
     def _decode(self, payload: Payload, segments: Segments) -> tuple[torch.Tensor, torch.Tensor]:
-        """Indices into the flat tensor and values (work dtype) of one rank's payload."""
+        """Indices into the flat tensor and values (work dtype) of one rank's payload; of every rank's at once
+        (parts ``(world, ...)``, contiguous): ``(world, kept)`` each, row ``r`` rank ``r``'s, in as many calls."""
         budget = self._budget(segments)
         low_bytes, top_bits = _word_split(self.chunk)
         *low, packed, scales = payload
-        total = budget.total
+        world = packed.shape[0] if packed.dim() == 2 else None
+        total = budget.total * (world or 1)
         words = torch.zeros(total, 8, dtype=torch.uint8, device=packed.device)
         if low_bytes:
             words[:, :low_bytes] = low[0].view(total, low_bytes)
         words = words.view(torch.int64).view(-1)
-        tops = _top_values(top_bits, packed.device)
-        top = decode_segments(packed, self._kept_segments(segments), top_bits, tops)
-        words.bitwise_or_(top.bitwise_left_shift(8 * low_bytes))
+        rows = self._rows(segments)
+        if rows.grouped:
+            top = _grouped_tops(packed, top_bits, rows.groups)
+        else:
+            top = decode_segments(packed, rows.kept_segments, top_bits, _top_values(top_bits, packed.device))
+        words.bitwise_or_((top if world is None else top.view(-1)).bitwise_left_shift(8 * low_bytes))
         codes = words.bitwise_and(2**_CODE_BITS - 1)
-        indices = words.bitwise_right_shift_(_CODE_BITS).add_(budget.starts)
+        indices = words.bitwise_right_shift_(_CODE_BITS)
         table = torch.cat([scales.view(-1, 2), scales.view(-1, 2).neg()], dim=1)
-        return indices, table.take(codes.add_(self._rows(segments).ids4))
+        ids4 = rows.ids4
+        if world is None:
+            return indices.add_(budget.starts), table.take(codes.add_(ids4))
+        indices = indices.view(world, -1).add_(budget.starts)
+        ranks = rank_offsets(world, table.shape[0] // world * 4, codes.device, torch.int64)  # a rank's 4 per chunk
+        return indices, table.take(codes.view(world, -1).add_(ids4).add_(ranks))
 
     def decompress_segments(
         self, payload: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         indices, values = self._decode(payload, segments)
+        if values.dim() == 2:  # every rank's payload: (world, numel)
+            return dense_rows(indices, as_dtype(values, segments.dtype), segments.numel)
         dense = zeros_in(out, segments.numel, segments.dtype, values.device)
         return dense.index_put_((indices,), as_dtype(values, segments.dtype))
 
     def aggregate_segments(
         self, gathered: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The mean over ranks, summed in rank order (indices are distinct within a rank: deterministic)."""
+        """The mean over ranks, summed in rank order (indices are distinct within a rank: deterministic): every
+        rank's payload decoded at once, its values added rank after rank (:func:`add_in_rank_order`)."""
         world_size = gathered[0].shape[0]
         total = zeros_in(out, segments.numel, segments.dtype, gathered[0].device)
         if world_size == 1 and isinstance(ctx, Encoded):  # this rank's own payload: what its encoding sent
             return total.index_add_(0, ctx.indices, as_dtype(ctx.sent, segments.dtype))
-        for rank in range(world_size):
-            indices, values = self._decode([part[rank] for part in gathered], segments)
-            values = as_dtype(values, segments.dtype)
-            total.index_add_(0, indices, values if world_size == 1 else values / world_size)
-        return total
+        if world_size == 1:
+            indices, values = self._decode([part[0] for part in gathered], segments)
+            return total.index_add_(0, indices, as_dtype(values, segments.dtype))
+        parts = [part if part.is_contiguous() else part.contiguous() for part in gathered]
+        indices, values = self._decode(parts, segments)
+        return add_in_rank_order(total, indices, as_dtype(values, segments.dtype).div(world_size))
 
     # -- checkpointing -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

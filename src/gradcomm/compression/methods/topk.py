@@ -21,10 +21,39 @@ import torch
 from gradcomm.compression._numerics import index_dtype, zeros_in
 from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedCompressor
 from gradcomm.compression.communicators import ALLGATHER
+from gradcomm.compression.segment_bits import rank_offsets
 from gradcomm.compression.segment_sparse import Budget, segment_topk
 from gradcomm.compression.segments import Segments, as_dtype
 
-__all__ = ["TopK"]
+__all__ = ["TopK", "add_in_rank_order", "dense_rows"]
+
+
+def add_in_rank_order(total: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``total`` (flat, zeros) plus every rank's ``values`` at its ``indices`` (``(world, k)`` each, indices
+    distinct within a rank), added rank after rank. On the CPU one ``index_add_`` of all ranks' values, which
+    adds them in index order (rank after rank). Elsewhere ``index_add_`` adds in no set order: one per rank
+    (:func:`_per_rank`), ``world`` small calls where a dense row per rank would cost a pass over the bucket
+    each, and its memory."""
+    if values.device.type == "cpu":
+        return total.index_add_(0, indices.view(-1), values.view(-1))
+    return _per_rank(total, indices, values)
+
+
+def _per_rank(total: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """:func:`add_in_rank_order` off the CPU: one ``index_add_`` per rank, in rank order."""
+    for rank in range(values.shape[0]):
+        total.index_add_(0, indices[rank], values[rank])
+    return total
+
+
+def dense_rows(indices: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
+    """Every rank's sparse values made dense: ``(world, numel)`` zeros but ``values[r]`` at ``indices[r]`` in
+    row ``r`` (indices distinct within a rank), by one ``index_put_``."""
+    world = values.shape[0]
+    rows = values.new_zeros(world, numel)
+    places = torch.add(indices, rank_offsets(world, numel, indices.device, torch.int64))
+    rows.view(-1).index_put_((places.view(-1),), values.reshape(-1))
+    return rows
 
 
 class SparseSegments(SegmentedCompressor):
@@ -59,15 +88,16 @@ class SparseSegments(SegmentedCompressor):
         self, payload: Payload, ctx: torch.Tensor, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         values, local = payload
+        if values.dim() == 2:  # every rank's payload: (world, numel)
+            return dense_rows(self._indices(local, segments), as_dtype(values, segments.dtype), segments.numel)
         dense = zeros_in(out, segments.numel, segments.dtype, values.device)
         return dense.index_put_((self._indices(local, segments),), as_dtype(values, segments.dtype))
 
     def aggregate_segments(
         self, gathered: Payload, ctx: torch.Tensor, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The mean over ranks, summed in rank order (indices are distinct within a rank: deterministic). On
-        the CPU one ``index_add_`` of all ranks' values, which adds them in order (rank after rank); on an
-        accelerator, whose ``index_add_`` adds in no set order, one per rank."""
+        """The mean over ranks, summed in rank order (indices are distinct within a rank: deterministic), by
+        :func:`add_in_rank_order`."""
         values, local = gathered
         world_size = values.shape[0]
         total = zeros_in(out, segments.numel, segments.dtype, values.device)
@@ -75,11 +105,7 @@ class SparseSegments(SegmentedCompressor):
         values = as_dtype(values, segments.dtype)
         if world_size > 1:
             values = values.div(world_size)
-        if values.device.type == "cpu":
-            return total.index_add_(0, indices.view(-1), values.view(-1))
-        for rank in range(world_size):
-            total.index_add_(0, indices[rank], values[rank])
-        return total
+        return add_in_rank_order(total, indices, values)
 
     def residual_segments(
         self, corrected: torch.Tensor, payload: Payload, ctx: torch.Tensor, segments: Segments
