@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomm.compression._numerics import ordered_mean
-from gradcomm.compression.base import OwnDecoding, SegmentedCompressor, rank_order_mean
+from gradcomm.compression.base import WORLD_BATCH, OwnDecoding, SegmentedCompressor, rank_order_mean
 from gradcomm.compression.communicators import Allgather
 from gradcomm.compression.methods import topk
 from gradcomm.compression.methods.sparseloco import SparseLoCo
@@ -127,6 +127,53 @@ def test_the_mean_of_every_ranks_decoding_is_rank_by_ranks(name: str, layout: st
         into = torch.full((segments.numel,), 7.0, dtype=segments.dtype)
         written = compressor.aggregate_segments(gathered, ctx, segments, into)
         assert torch.equal(_bits(written), _bits(expected)), (name, layout, dtype, world, "out")
+
+
+@pytest.mark.parametrize("name", [n for n in ALLGATHERED if not issubclass(METHODS[n], (SparseLoCo, SparseSegments))
+                                  and n not in VOTED])
+def test_a_world_beyond_a_batch_is_decoded_a_batch_at_a_time(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past :data:`WORLD_BATCH` ranks, the decodings held at once stay at most a batch; the mean's bits are
+    still the rank-by-rank sum's."""
+    world = WORLD_BATCH + 3
+    compressor, gathered, ctx, segments = _encoded(name, LAYOUTS["runs"], world, torch.float32)
+    if isinstance(ctx, OwnDecoding):
+        ctx = OwnDecoding(ctx.state)
+    expected = _rank_by_rank(compressor, gathered, ctx, segments)
+    batches = []
+    decode = type(compressor).decompress_world
+
+    def spy(self: SegmentedCompressor, parts: list[torch.Tensor], *args: Any) -> torch.Tensor:
+        batches.append(parts[0].shape[0])
+        return decode(self, parts, *args)
+
+    monkeypatch.setattr(type(compressor), "decompress_world", spy)
+    got = compressor.aggregate_segments(gathered, ctx, segments)
+    assert batches == [WORLD_BATCH, 3]
+    assert torch.equal(_bits(got), _bits(expected))
+
+
+class _PlainDecoder(SegmentedCompressor):
+    """A decoder of one rank's payload at a time, written before decoding a world at once existed."""
+
+    def compress_segments(self, flat: torch.Tensor, segments: Segments) -> tuple[list[torch.Tensor], None]:
+        return [flat.clone()], None
+
+    def decompress_segments(self, payload: list[torch.Tensor], ctx: Any, segments: Segments,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+        assert payload[0].dim() == 1, "handed a rank axis"
+        return payload[0] * 1
+
+    def payload_layout(self, lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
+        return [(sum(lengths), dtype)]
+
+
+def test_a_decoder_written_for_one_rank_still_aggregates() -> None:
+    """The default (``world_decoding = False``): a method from outside, decoding one rank's payload, is handed
+    one rank's payload at a time."""
+    flat, segments = _flat(LAYOUTS["runs"], 0, torch.float32)
+    gathered = torch.stack([flat, flat * 2, flat * 3])
+    got = _PlainDecoder().aggregate_segments([gathered], None, segments)
+    assert torch.equal(got, ordered_mean([flat, flat * 2, flat * 3], 3))
 
 
 @pytest.mark.parametrize("name", [n for n in ALLGATHERED if n not in VOTED])

@@ -258,13 +258,27 @@ def rank_order_mean(rows: torch.Tensor, out: torch.Tensor | None = None, overwri
     rows divided by ``world``, added in rank order (``torch.sum`` over ranks promises no order). ``out``: where
     it may be written (a row's shape and dtype, not ``rows``' memory); ``overwrite``: ``rows`` is divided in
     place."""
-    world = rows.shape[0]
-    divided = rows.div_(world) if overwrite else torch.div(rows, world)
-    usable = out is not None and out.shape == divided.shape[1:] and out.dtype == divided.dtype
-    total = torch.add(divided[0], divided[1], out=out if usable else None)
-    for rank in range(2, world):
+    return _add_in_rank_order(None, rows, rows.shape[0], out, overwrite)
+
+
+def _add_in_rank_order(
+    total: torch.Tensor | None, rows: torch.Tensor, count: int, out: torch.Tensor | None, overwrite: bool
+) -> torch.Tensor:
+    """``total`` (``None``: nothing yet, then ``rows`` has two rows or more) plus every row of ``rows`` divided
+    by ``count``, in order: :func:`rank_order_mean` of a world's rows given a batch of ranks at a time."""
+    divided = rows.div_(count) if overwrite else torch.div(rows, count)
+    first = 0
+    if total is None:
+        usable = out is not None and out.shape == divided.shape[1:] and out.dtype == divided.dtype
+        total, first = torch.add(divided[0], divided[1], out=out if usable else None), 2
+    for rank in range(first, rows.shape[0]):
         total.add_(divided[rank])
     return total
+
+
+WORLD_BATCH = 8
+"""Ranks whose payloads :meth:`SegmentedCompressor.aggregate_segments` decodes at once: its calls are flat in
+the world size up to this many ranks, and its memory at most this many decodings of the bucket."""
 
 
 def _shares_storage(tensor: torch.Tensor, parts: Payload) -> bool:
@@ -307,26 +321,39 @@ class SegmentedCompressor(Compressor):
     def payload_layout(self, lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
         """``(elements, dtype)`` of each payload tensor of a bucket of segments of ``lengths`` elements."""
 
-    world_decoding: ClassVar[bool] = True
+    world_decoding: ClassVar[bool] = False
     """Whether :meth:`decompress_segments` decodes every rank's payload at once: of parts with a leading rank
     axis (``(world, elements)``, contiguous), a ``(world, numel)`` tensor whose row ``r`` is rank ``r``'s
     decoding, bit for bit (:func:`~gradcomm.compression.segment_bits.decode_segments` does, with a table row
     per rank and segment), so that :meth:`aggregate_segments` costs calls that do not grow with the world
-    size. ``False``: payloads are decoded rank by rank."""
+    size (up to :data:`WORLD_BATCH` ranks). ``False`` (the default, which any decoder meets): payloads are
+    decoded rank by rank."""
 
     def aggregate_segments(
         self, gathered: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The mean over ranks (leading axis of ``gathered``) of :meth:`decompress_world`, in rank order. On one
-        rank, this rank's own decoding where its encoding kept one (:class:`OwnDecoding`)."""
+        """The mean over ranks (leading axis of ``gathered``) of their decodings, in rank order: a batch of up to
+        :data:`WORLD_BATCH` ranks at a time where :attr:`world_decoding` (:meth:`decompress_world`), else rank by
+        rank. On one rank, this rank's own decoding where its encoding kept one (:class:`OwnDecoding`)."""
         world_size = gathered[0].shape[0]
         if world_size == 1:
             if isinstance(ctx, OwnDecoding) and ctx.decoded is not None:
                 return ctx.decoded
             own = [part.view(-1) if part.is_contiguous() else part[0] for part in gathered]
             return self.decompress_segments(own, ctx, segments, out)
-        decoded = self.decompress_world(gathered, ctx, segments)
-        return rank_order_mean(decoded, out, overwrite=not _shares_storage(decoded, gathered))
+        if not self.world_decoding:
+            return ordered_mean(
+                (self.decompress_segments([p[rank] for p in gathered], ctx, segments) for rank in range(world_size)),
+                world_size,
+                out,
+            )
+        total = None
+        for start in range(0, world_size, WORLD_BATCH):
+            batch = [part[start : start + WORLD_BATCH] for part in gathered]
+            decoded = self.decompress_world(batch, ctx, segments)
+            total = _add_in_rank_order(total, decoded, world_size, out, not _shares_storage(decoded, batch))
+        assert total is not None
+        return total
 
     def decompress_world(self, gathered: Payload, ctx: Any, segments: Segments) -> torch.Tensor:
         """Every rank's payload decoded (``gathered``: parts with a leading rank axis), ``(world, numel)``: by

@@ -35,6 +35,7 @@ class EFSignSGD(SegmentedCompressor, name="efsign", summary="scaled sign with er
     tensor's signs (packed as for that tensor alone), back to back, then one scale per tensor."""
 
     communicator = ALLGATHER
+    world_decoding = True
     error_feedback = ErrorFeedback.REQUIRED
 
     def payload_layout(self, lengths: tuple[int, ...], dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:

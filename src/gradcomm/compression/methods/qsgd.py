@@ -61,6 +61,7 @@ class QSGD(RandomizedCompressor, SegmentedCompressor, name="qsgd", summary="QSGD
     tensor's codes (packed as for that tensor alone), back to back, then every tensor's norms."""
 
     communicator = ALLGATHER
+    world_decoding = True
     error_feedback = ErrorFeedback.OPTIONAL
 
     def __init__(self, levels: int = 7, bucket_size: int = 512, seed: int = 0):

@@ -111,6 +111,7 @@ class SparseLoCo(
     """
 
     communicator = ALLGATHER
+    world_decoding = True
     error_feedback = ErrorFeedback.UNSUPPORTED
 
     def __init__(self, ratio: float = 1 / 64, chunk: int = 4096, ef_decay: float = 0.95):

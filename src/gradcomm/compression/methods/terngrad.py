@@ -48,6 +48,7 @@ class TernGrad(
     every tensor's 2-bit codes (packed as for that tensor alone), back to back, then one scale per tensor."""
 
     communicator = ALLGATHER
+    world_decoding = True
     error_feedback = ErrorFeedback.OPTIONAL
 
     def __init__(self, clip: float | None = 2.5, seed: int = 0):

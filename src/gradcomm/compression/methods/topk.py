@@ -60,6 +60,8 @@ class SparseSegments(SegmentedCompressor):
     """A method sending ``k(numel)`` values of each tensor with their indices within it (top-k, DGC): the
     payload of a bucket is every tensor's values, back to back, then every tensor's indices."""
 
+    world_decoding = True
+
     def k(self, numel: int) -> int:
         raise NotImplementedError
 
