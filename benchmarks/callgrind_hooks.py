@@ -69,9 +69,28 @@ def _marked_calls(root: str, bucket_name: str, names: list[str]) -> None:
     dist.destroy_process_group()
 
 
+def _known_at(root: str, names: list[str]) -> list[str]:
+    """Those of ``names`` that the tree in ``root`` (as ``gradcomm_before``) registers."""
+    sys.path.insert(0, root)
+    try:
+        registry = importlib.import_module("gradcomm_before.hooks.registry")
+        return [name for name in names if _registers(registry, name)]
+    finally:
+        sys.path.remove(root)
+
+
+def _registers(registry: object, name: str) -> bool:
+    try:
+        registry.resolve_hook_name(name)  # type: ignore[attr-defined]
+    except ValueError:
+        return False
+    return True
+
+
 def instructions(revision: str, bucket_name: str, names: list[str]) -> dict[str, tuple[int, int]]:
-    """Per method, the instructions of one hook call: this tree's, and ``revision``'s."""
+    """Per method that both trees have, the instructions of one hook call: this tree's, and ``revision``'s."""
     root = str(_package_at(revision))
+    names = _known_at(root, names)
     counts = callgrind.count_instructions([sys.executable, __file__, root, bucket_name, *names], {_CHILD: "1"})
     return {name: (counts[2 * i], counts[2 * i + 1]) for i, name in enumerate(names)}
 
