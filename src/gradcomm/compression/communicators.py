@@ -6,7 +6,8 @@ A compressor names one communicator in its ``communicator`` attribute:
   coordinates, casts, dense tensors): one allreduce per dtype, then one ``decompress`` of the sum.
 * :data:`ALLGATHER` (:class:`Allgather`): payloads that cannot be summed (top-k values and indices, signs with
   per-rank scales): one all-gather of their bytes, then every rank decompresses all ranks' payloads (a
-  segmented method all at once: :attr:`~gradcomm.compression.base.SegmentedCompressor.world_decoding`) and
+  segmented method that allows it a batch of ranks at once:
+  :attr:`~gradcomm.compression.base.SegmentedCompressor.world_decoding`) and
   ``aggregate`` s them in rank order.
 * :class:`~gradcomm.compression.two_stage.TwoStageAllreduce` (in its own module; its old name here
   warns): compressed reduce-scatter then compressed all-gather, for
