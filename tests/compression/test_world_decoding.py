@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradcomm.compression._numerics import ordered_mean
-from gradcomm.compression.base import WORLD_BATCH, OwnDecoding, SegmentedCompressor, rank_order_mean
+from gradcomm.compression._numerics.reductions import ordered_mean, rank_order_mean
+from gradcomm.compression.base import WORLD_BATCH, OwnDecoding, SegmentedCompressor
 from gradcomm.compression.communicators import Allgather
 from gradcomm.compression.methods import topk
 from gradcomm.compression.methods.sparseloco import SparseLoCo

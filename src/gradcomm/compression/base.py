@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from gradcomm.compression._numerics import ordered_mean
+from gradcomm.compression._numerics.reductions import add_rows_in_order, ordered_mean
 from gradcomm.compression.segment_noise import seed_of
 from gradcomm.compression.segments import Segments
 
@@ -53,7 +53,6 @@ __all__ = [
     "SegmentedCompressor",
     "SegmentedRowwiseCompressor",
     "TensorSpec",
-    "rank_order_mean",
 ]
 
 Payload = list[torch.Tensor]
@@ -253,29 +252,6 @@ class _OneTensor:
     segments: Segments
 
 
-def rank_order_mean(rows: torch.Tensor, out: torch.Tensor | None = None, overwrite: bool = False) -> torch.Tensor:
-    """The mean of the rows of ``rows`` (``(world, ...)``, ``world >= 2``), the bits of :func:`ordered_mean`:
-    rows divided by ``world``, added in rank order (``torch.sum`` over ranks promises no order). ``out``: where
-    it may be written (a row's shape and dtype, not ``rows``' memory); ``overwrite``: ``rows`` is divided in
-    place."""
-    return _add_in_rank_order(None, rows, rows.shape[0], out, overwrite)
-
-
-def _add_in_rank_order(
-    total: torch.Tensor | None, rows: torch.Tensor, count: int, out: torch.Tensor | None, overwrite: bool
-) -> torch.Tensor:
-    """``total`` (``None``: nothing yet, then ``rows`` has two rows or more) plus every row of ``rows`` divided
-    by ``count``, in order: :func:`rank_order_mean` of a world's rows given a batch of ranks at a time."""
-    divided = rows.div_(count) if overwrite else torch.div(rows, count)
-    first = 0
-    if total is None:
-        usable = out is not None and out.shape == divided.shape[1:] and out.dtype == divided.dtype
-        total, first = torch.add(divided[0], divided[1], out=out if usable else None), 2
-    for rank in range(first, rows.shape[0]):
-        total.add_(divided[rank])
-    return total
-
-
 WORLD_BATCH = 8
 """Ranks whose payloads :meth:`SegmentedCompressor.aggregate_segments` decodes at once: its calls are flat in
 the world size up to this many ranks, and its memory at most this many decodings of the bucket."""
@@ -322,12 +298,10 @@ class SegmentedCompressor(Compressor):
         """``(elements, dtype)`` of each payload tensor of a bucket of segments of ``lengths`` elements."""
 
     world_decoding: ClassVar[bool] = False
-    """Whether :meth:`decompress_segments` decodes every rank's payload at once: of parts with a leading rank
-    axis (``(world, elements)``, contiguous), a ``(world, numel)`` tensor whose row ``r`` is rank ``r``'s
-    decoding, bit for bit (:func:`~gradcomm.compression.segment_bits.decode_segments` does, with a table row
-    per rank and segment), so that :meth:`aggregate_segments` costs calls that do not grow with the world
-    size (up to :data:`WORLD_BATCH` ranks). ``False`` (the default, which any decoder meets): payloads are
-    decoded rank by rank."""
+    """Whether :meth:`decompress_segments` also decodes parts with a leading rank axis (``(world, elements)``)
+    into ``(world, numel)``, row ``r`` rank ``r``'s decoding bit for bit (as ``decode_segments`` does), so that
+    :meth:`aggregate_segments`' calls do not grow with the world size (up to :data:`WORLD_BATCH` ranks).
+    ``False`` (the default, which any decoder meets): payloads are decoded rank by rank."""
 
     def aggregate_segments(
         self, gathered: Payload, ctx: Any, segments: Segments, out: torch.Tensor | None = None
@@ -351,7 +325,7 @@ class SegmentedCompressor(Compressor):
         for start in range(0, world_size, WORLD_BATCH):
             batch = [part[start : start + WORLD_BATCH] for part in gathered]
             decoded = self.decompress_world(batch, ctx, segments)
-            total = _add_in_rank_order(total, decoded, world_size, out, not _shares_storage(decoded, batch))
+            total = add_rows_in_order(total, decoded, world_size, out, not _shares_storage(decoded, batch))
         assert total is not None
         return total
 

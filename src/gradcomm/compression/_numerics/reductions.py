@@ -13,8 +13,10 @@ from collections.abc import Iterable
 import torch
 
 __all__ = [
+    "add_rows_in_order",
     "nonzero_or_one",
     "ordered_mean",
+    "rank_order_mean",
     "safe_mean_abs",
     "safe_norm",
     "safe_rms",
@@ -52,6 +54,29 @@ def ordered_mean(tensors: Iterable[torch.Tensor], count: int, out: torch.Tensor 
     total = torch.div(first, count, out=out) if usable else first / count
     for tensor in iterator:
         total += tensor / count
+    return total
+
+
+def rank_order_mean(rows: torch.Tensor, out: torch.Tensor | None = None, overwrite: bool = False) -> torch.Tensor:
+    """The mean of the rows of ``rows`` (``(world, ...)``, ``world >= 2``), the bits of :func:`ordered_mean`:
+    rows divided by ``world``, added in rank order (``torch.sum`` over ranks promises no order). ``out``: where
+    it may be written (a row's shape and dtype, not ``rows``' memory); ``overwrite``: ``rows`` is divided in
+    place."""
+    return add_rows_in_order(None, rows, rows.shape[0], out, overwrite)
+
+
+def add_rows_in_order(
+    total: torch.Tensor | None, rows: torch.Tensor, count: int, out: torch.Tensor | None, overwrite: bool
+) -> torch.Tensor:
+    """``total`` (``None``: nothing yet, then ``rows`` has two rows or more) plus every row of ``rows`` divided
+    by ``count``, in order: :func:`rank_order_mean` of a world's rows given a batch of ranks at a time."""
+    divided = rows.div_(count) if overwrite else torch.div(rows, count)
+    first = 0
+    if total is None:
+        usable = out is not None and out.shape == divided.shape[1:] and out.dtype == divided.dtype
+        total, first = torch.add(divided[0], divided[1], out=out if usable else None), 2
+    for rank in range(first, rows.shape[0]):
+        total.add_(divided[rank])
     return total
 
 
