@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gradcomm.compression._numerics import sparse
 from gradcomm.compression._numerics.reductions import ordered_mean, rank_order_mean
 from gradcomm.compression.base import WORLD_BATCH, OwnDecoding, SegmentedCompressor
 from gradcomm.compression.communicators import Allgather
-from gradcomm.compression.methods import topk
 from gradcomm.compression.methods.sparseloco import SparseLoCo
 from gradcomm.compression.methods.topk import SparseSegments
 from gradcomm.compression.registry import methods
@@ -232,9 +232,9 @@ def test_sparse_values_add_in_rank_order(world: int) -> None:
     expected = torch.zeros(numel)
     for rank in range(world):
         expected.index_add_(0, indices[rank], values[rank])
-    assert torch.equal(_bits(topk.add_in_rank_order(torch.zeros(numel), indices, values)), _bits(expected))
-    assert torch.equal(_bits(topk._per_rank(torch.zeros(numel), indices.to(torch.int32), values)), _bits(expected))
-    rows = topk.dense_rows(indices.to(torch.int32), values, numel)
+    assert torch.equal(_bits(sparse.add_in_rank_order(torch.zeros(numel), indices, values)), _bits(expected))
+    assert torch.equal(_bits(sparse._per_rank(torch.zeros(numel), indices.to(torch.int32), values)), _bits(expected))
+    rows = sparse.dense_rows(indices.to(torch.int32), values, numel)
     assert torch.equal(_bits(functools.reduce(torch.add, rows.unbind(0), torch.zeros(numel))), _bits(expected))
 
 

@@ -19,6 +19,7 @@ from gradcomm.compression._numerics import (
     work_dtype,
 )
 from gradcomm.compression._numerics.bits import _ROW_DTYPES
+from gradcomm.compression._numerics.sparse import rank_offsets
 from gradcomm.compression.segment_stats import Matrix, constant
 from gradcomm.compression.segments import Padded, Segments, _ids, _placement, as_dtype
 
@@ -33,7 +34,6 @@ __all__ = [
     "pack_scaled_signs",
     "pack_segments",
     "packed_lengths",
-    "rank_offsets",
     "scaled_signs_layout",
     "unpack_scaled_signs",
     "unpad_rows",
@@ -208,15 +208,6 @@ def _decode_by_segment(
     else:
         decoded = _looked_up(tables if by_byte else _byte_rows(tables, bits), rows, out, 8 // bits)
     return decoded if world is None else decoded.view(world, -1)
-
-
-@functools.lru_cache(maxsize=32)
-def rank_offsets(
-    world: int, stride: int, device: torch.device, dtype: torch.dtype = torch.int32
-) -> torch.Tensor:
-    """``stride * r`` for each rank ``r``, a ``(world, 1)`` column (made once per world size, stride, device
-    and dtype: read it, never write it)."""
-    return torch.arange(0, world * stride, stride, dtype=dtype, device=device).view(world, 1)
 
 
 def _looked_up(

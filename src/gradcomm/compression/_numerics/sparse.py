@@ -7,15 +7,18 @@ few percent of it are slow.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = [
+    "add_in_rank_order",
+    "dense_rows",
     "index_dtype",
     "random_subset",
+    "rank_offsets",
     "sample_stride",
-    "sparse_mean",
     "sparse_nonzero",
-    "sparse_to_dense",
     "top_magnitudes",
     "zero_at",
     "zeros_in",
@@ -142,19 +145,38 @@ def zeros_in(out: torch.Tensor | None, numel: int, dtype: torch.dtype, device: t
     return torch.zeros(numel, dtype=dtype, device=device)
 
 
-def sparse_to_dense(values: torch.Tensor, indices: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A flat tensor of ``numel`` zeros holding ``values`` at ``indices``."""
-    dense = torch.zeros(numel, dtype=dtype, device=values.device)
-    return dense.scatter_(0, indices.long(), values)
-
-
-def sparse_mean(
-    values: torch.Tensor, indices: torch.Tensor, numel: int, dtype: torch.dtype, out: torch.Tensor | None = None
+@functools.lru_cache(maxsize=32)
+def rank_offsets(
+    world: int, stride: int, device: torch.device, dtype: torch.dtype = torch.int32
 ) -> torch.Tensor:
-    """The mean over ranks of sparse payloads gathered with a leading rank axis, summed in rank order; flat,
-    in ``out`` where given and contiguous (``numel`` elements of ``dtype``), else in a new tensor."""
-    world_size = values.shape[0]
-    total = zeros_in(out, numel, dtype, values.device)
-    for rank in range(world_size):  # indices are distinct within a rank: deterministic even with atomics
-        total.index_add_(0, indices[rank].long(), values[rank] / world_size)
+    """``stride * r`` for each rank ``r``, a ``(world, 1)`` column (made once per world size, stride, device
+    and dtype: read it, never write it)."""
+    return torch.arange(0, world * stride, stride, dtype=dtype, device=device).view(world, 1)
+
+
+def add_in_rank_order(total: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``total`` (flat, zeros) plus every rank's ``values`` at its ``indices`` (``(world, k)`` each, indices
+    distinct within a rank), added rank after rank. On the CPU one ``index_add_`` of all ranks' values, which
+    adds them in index order (rank after rank). Elsewhere ``index_add_`` adds in no set order: one per rank
+    (:func:`_per_rank`), ``world`` small calls where a dense row per rank would cost a pass over the bucket
+    each, and its memory."""
+    if values.device.type == "cpu":
+        return total.index_add_(0, indices.view(-1), values.view(-1))
+    return _per_rank(total, indices, values)
+
+
+def _per_rank(total: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """:func:`add_in_rank_order` off the CPU: one ``index_add_`` per rank, in rank order."""
+    for rank in range(values.shape[0]):
+        total.index_add_(0, indices[rank], values[rank])
     return total
+
+
+def dense_rows(indices: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
+    """Every rank's sparse values made dense: ``(world, numel)`` zeros but ``values[r]`` at ``indices[r]`` in
+    row ``r`` (indices distinct within a rank), by one ``index_put_``."""
+    world = values.shape[0]
+    rows = values.new_zeros(world, numel)
+    places = torch.add(indices, rank_offsets(world, numel, indices.device, torch.int64))
+    rows.view(-1).index_put_((places.view(-1),), values.reshape(-1))
+    return rows

@@ -44,13 +44,12 @@ from typing import Any
 
 import torch
 
-from gradcomm.compression._numerics import work_dtype, zeros_in
+from gradcomm.compression._numerics import add_in_rank_order, dense_rows, rank_offsets, work_dtype, zeros_in
 from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedCompressor, tensor_stream
 from gradcomm.compression.communicators import ALLGATHER
 from gradcomm.compression.memory import ResidualMemory
 from gradcomm.compression.methods._sparseloco_rows import Encoded, Rows
-from gradcomm.compression.methods.topk import add_in_rank_order, dense_rows
-from gradcomm.compression.segment_bits import decode_segments, packed_lengths, rank_offsets
+from gradcomm.compression.segment_bits import decode_segments, packed_lengths
 from gradcomm.compression.segment_sparse import Budget
 from gradcomm.compression.segment_stats import constant
 from gradcomm.compression.segments import Segments, as_dtype

@@ -18,42 +18,13 @@ import math
 
 import torch
 
-from gradcomm.compression._numerics import index_dtype, zeros_in
+from gradcomm.compression._numerics import add_in_rank_order, dense_rows, index_dtype, zeros_in
 from gradcomm.compression.base import ErrorFeedback, Payload, SegmentedCompressor
 from gradcomm.compression.communicators import ALLGATHER
-from gradcomm.compression.segment_bits import rank_offsets
 from gradcomm.compression.segment_sparse import Budget, segment_topk
 from gradcomm.compression.segments import Segments, as_dtype
 
-__all__ = ["TopK", "add_in_rank_order", "dense_rows"]
-
-
-def add_in_rank_order(total: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``total`` (flat, zeros) plus every rank's ``values`` at its ``indices`` (``(world, k)`` each, indices
-    distinct within a rank), added rank after rank. On the CPU one ``index_add_`` of all ranks' values, which
-    adds them in index order (rank after rank). Elsewhere ``index_add_`` adds in no set order: one per rank
-    (:func:`_per_rank`), ``world`` small calls where a dense row per rank would cost a pass over the bucket
-    each, and its memory."""
-    if values.device.type == "cpu":
-        return total.index_add_(0, indices.view(-1), values.view(-1))
-    return _per_rank(total, indices, values)
-
-
-def _per_rank(total: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """:func:`add_in_rank_order` off the CPU: one ``index_add_`` per rank, in rank order."""
-    for rank in range(values.shape[0]):
-        total.index_add_(0, indices[rank], values[rank])
-    return total
-
-
-def dense_rows(indices: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
-    """Every rank's sparse values made dense: ``(world, numel)`` zeros but ``values[r]`` at ``indices[r]`` in
-    row ``r`` (indices distinct within a rank), by one ``index_put_``."""
-    world = values.shape[0]
-    rows = values.new_zeros(world, numel)
-    places = torch.add(indices, rank_offsets(world, numel, indices.device, torch.int64))
-    rows.view(-1).index_put_((places.view(-1),), values.reshape(-1))
-    return rows
+__all__ = ["TopK"]
 
 
 class SparseSegments(SegmentedCompressor):
